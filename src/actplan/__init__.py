@@ -1,0 +1,1 @@
+"""actplan: decide, per activation, keep / recompute / offload, and apply it exactly."""

@@ -1,0 +1,95 @@
+"""Install a resolved plan on a model: ``apply(model, config)`` and ``remove(model)``.
+
+The torch side of planning: find the checkpointable layers (modules whose class
+declares ``recompute_intervals``), resolve the config against them with the
+pure ``plan`` module, and wrap each layer with the boundary and its policy.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from actplan.boundary import (
+    apply_gradient_checkpointing,
+    checkpoint_state,
+    remove_gradient_checkpointing,
+)
+from actplan.config import RecomputeConfig
+from actplan.plan import LayerSpec, Plan, resolve_plan
+from actplan.policy import IntervalPolicy
+from actplan.units import RecomputeIntervalMap
+
+_PLAN_ATTR = "_actplan_plan"
+
+
+def interval_map_of(module: nn.Module) -> RecomputeIntervalMap | None:
+    """The ``RecomputeIntervalMap`` a module declares, or ``None``."""
+    declared = getattr(module, "recompute_intervals", None)
+    return declared if isinstance(declared, RecomputeIntervalMap) else None
+
+
+def find_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Checkpointable layers in forward-declaration order, outermost only."""
+    found: list[tuple[str, nn.Module]] = []
+    for name, module in model.named_modules():
+        if interval_map_of(module) is None:
+            continue
+        if any(name.startswith(outer + ".") for outer, _ in found):
+            continue
+        found.append((name, module))
+    return found
+
+
+def layer_specs(model: nn.Module) -> list[LayerSpec]:
+    return [
+        LayerSpec(index=i, name=name or "<root>", class_name=type(m).__name__, interval_map=interval_map_of(m))
+        for i, (name, m) in enumerate(find_layers(model))
+    ]
+
+
+def plan_for(model: nn.Module, config: RecomputeConfig | dict | str | Path) -> Plan:
+    """Resolve ``config`` against ``model``'s layers without touching the model."""
+    return resolve_plan(RecomputeConfig.parse(config), layer_specs(model))
+
+
+def apply(model: nn.Module, config: RecomputeConfig | dict[str, Any] | str | Path) -> Plan:
+    """Resolve ``config`` to a per-layer plan and install it on ``model``'s layers.
+
+    ``config`` is a ``RecomputeConfig``, a dict, a preset name (``"matmuls"``) or
+    a path to a YAML/JSON file. A plan installed earlier is removed first.
+    Returns the installed ``Plan``.
+    """
+    plan = plan_for(model, config)
+    remove(model)
+    for layer_plan, (name, module) in zip(plan.layers, find_layers(model), strict=True):
+        if layer_plan.mode == "none":
+            continue
+        context_fn = None
+        if layer_plan.mode == "selective":
+            policy = IntervalPolicy(
+                interval_map_of(module),
+                layer_plan.kept_intervals,
+                layer_name=f"{name} ({type(module).__name__})",
+            )
+            context_fn = policy.context_fn
+        apply_gradient_checkpointing(module, context_fn=context_fn, owner=layer_plan)
+    model.__dict__[_PLAN_ATTR] = plan
+    return plan
+
+
+def installed_plan(model: nn.Module) -> Plan | None:
+    """The plan ``apply`` last installed on ``model``, if it is still installed."""
+    return model.__dict__.get(_PLAN_ATTR)
+
+
+def remove(model: nn.Module) -> int:
+    """Remove every actplan checkpoint wrapper under ``model``; returns how many."""
+    removed = 0
+    for module in model.modules():
+        if checkpoint_state(module) is not None:
+            removed += remove_gradient_checkpointing(module)
+    model.__dict__.pop(_PLAN_ATTR, None)
+    return removed

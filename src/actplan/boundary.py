@@ -1,0 +1,150 @@
+"""The layer boundary: non-reentrant ``torch.utils.checkpoint`` around one module.
+
+``apply_gradient_checkpointing`` installs an instance-level ``forward`` on the
+module, so parameters, buffers and ``state_dict()`` keys are untouched, module
+hooks (FSDP's included) stay outside the replayed region, and
+``remove_gradient_checkpointing`` restores the module exactly. Inputs and
+outputs may be any PyTree (TypedDicts, lists of micro-batches, kwargs,
+non-tensor leaves): the non-reentrant implementation tracks saved tensors, not
+argument positions.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves
+from torch.utils.checkpoint import checkpoint
+
+from actplan.markers import LAYER_END, checkpoint_record, recording_markers
+
+_STATE_ATTR = "_actplan_checkpoint"
+
+
+@dataclass
+class CheckpointState:
+    """What ``apply_gradient_checkpointing`` installed on a module."""
+
+    context_fn: Callable[[], Any] | None
+    preserve_rng_state: bool
+    early_stop: bool
+    determinism_check: str
+    # An instance-level forward that was there before us (restored on removal).
+    previous_forward: Callable[..., Any] | None
+    # Free-form owner data (the plan entry ``actplan.apply`` installed).
+    owner: Any = None
+
+
+def _needs_grad(module: nn.Module, args: tuple, kwargs: dict) -> bool:
+    if any(p.requires_grad for p in module.parameters()):
+        return True
+    return any(isinstance(x, torch.Tensor) and x.requires_grad for x in tree_leaves((args, kwargs)))
+
+
+def _run_recorded(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    # Markers reach the policy only while recording; the end marker lets the
+    # policy check that every interval the forward opened was closed.
+    if torch.compiler.is_compiling():
+        out = forward(*args, **kwargs)
+        checkpoint_record(LAYER_END)
+        return out
+    with recording_markers():
+        out = forward(*args, **kwargs)
+        checkpoint_record(LAYER_END)
+    return out
+
+
+def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    state: CheckpointState = getattr(self, _STATE_ATTR)
+    inner = state.previous_forward or types.MethodType(type(self).forward, self)
+    # Frozen module with grad-free inputs (or no grad at all): nothing to replay.
+    if not torch.is_grad_enabled() or not _needs_grad(self, args, kwargs):
+        return inner(*args, **kwargs)
+    options: dict[str, Any] = {
+        "use_reentrant": False,
+        "preserve_rng_state": state.preserve_rng_state,
+        "early_stop": state.early_stop,
+        "determinism_check": state.determinism_check,
+    }
+    if state.context_fn is None:
+        return checkpoint(inner, *args, **options, **kwargs)
+    # context_fn is passed only when set: dynamo rejects torch's default no-op one.
+    return checkpoint(_run_recorded, inner, *args, context_fn=state.context_fn, **options, **kwargs)
+
+
+def apply_gradient_checkpointing(
+    module: nn.Module,
+    *,
+    context_fn: Callable[[], Any] | None = None,
+    preserve_rng_state: bool = True,
+    early_stop: bool = True,
+    determinism_check: str = "default",
+    owner: Any = None,
+) -> nn.Module:
+    """Checkpoint ``module``'s forward with ``torch.utils.checkpoint(use_reentrant=False)``.
+
+    Args:
+        module: the layer to wrap, in place; it is returned for chaining.
+        context_fn: a selective-checkpoint context factory (for example
+            ``IntervalPolicy(...).context_fn``). ``None`` recomputes everything.
+        preserve_rng_state: restore the RNG state before replaying, so dropout
+            and other random draws are identical in recompute (default on).
+        early_stop: stop the replay once every tensor backward needs exists.
+        determinism_check: forwarded to ``torch.utils.checkpoint``.
+        owner: opaque data stored with the wrapper (``actplan.apply`` stores the
+            layer's plan here so ``explain`` and ``remove`` can find it).
+
+    A module whose parameters are all frozen, called with inputs that need no
+    gradient, runs without checkpointing (no replay, detached outputs).
+    Raises ``ValueError`` if the module is already wrapped.
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"apply_gradient_checkpointing expects an nn.Module, got {type(module).__name__}")
+    if is_checkpointed(module):
+        raise ValueError(
+            f"{type(module).__name__} is already checkpointed by actplan; call "
+            "remove_gradient_checkpointing(module) before wrapping it again"
+        )
+    previous = module.__dict__.get("forward")
+    setattr(
+        module,
+        _STATE_ATTR,
+        CheckpointState(
+            context_fn=context_fn,
+            preserve_rng_state=preserve_rng_state,
+            early_stop=early_stop,
+            determinism_check=determinism_check,
+            previous_forward=previous,
+            owner=owner,
+        ),
+    )
+    # A bound method (not a closure) so copy.deepcopy rebinds it to the copy.
+    module.forward = types.MethodType(_checkpointed_forward, module)
+    return module
+
+
+def is_checkpointed(module: nn.Module) -> bool:
+    """Whether ``apply_gradient_checkpointing`` wrapped this module."""
+    return _STATE_ATTR in module.__dict__
+
+
+def checkpoint_state(module: nn.Module) -> CheckpointState | None:
+    """The wrapper state of a checkpointed module, or ``None``."""
+    return module.__dict__.get(_STATE_ATTR)
+
+
+def remove_gradient_checkpointing(module: nn.Module) -> bool:
+    """Undo ``apply_gradient_checkpointing``; returns whether the module was wrapped."""
+    state = module.__dict__.pop(_STATE_ATTR, None)
+    if state is None:
+        return False
+    if state.previous_forward is None:
+        del module.forward
+    else:
+        module.forward = state.previous_forward
+    return True

@@ -1,0 +1,249 @@
+"""Reference dense decoder (Llama / Qwen3 style) with every recompute unit marked.
+
+RMSNorm, QK-norm, rotary embeddings, grouped-query attention through SDPA and a
+SwiGLU MLP, in one short file. Decoder layers return a TypedDict. The only
+actplan import is the marker and the vocabulary: the model knows its units, the
+engine never imports the model.
+
+Ops inside each unit are written out-of-place (dropout included): a kept
+interval caches op outputs, and an in-place op would mutate a cached tensor.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import ClassVar, TypedDict
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from actplan.markers import checkpoint_record
+from actplan.units import MarkerInterval, RecomputeIntervalMap
+
+
+@dataclass(frozen=True)
+class DenseConfig:
+    vocab_size: int = 4096
+    dim: int = 512
+    n_layers: int = 8
+    n_heads: int = 8
+    n_kv_heads: int = 2
+    ffn_dim: int = 1536
+    max_seq_len: int = 1024
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    dropout: float = 0.0
+    # Shape of the batches ``make_batch`` draws.
+    batch_size: int = 2
+    seq_len: int = 256
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    def __post_init__(self) -> None:
+        if self.dim % self.n_heads or self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"dim ({self.dim}) must divide by n_heads ({self.n_heads}) and n_heads by "
+                f"n_kv_heads ({self.n_kv_heads})"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim ({self.head_dim}) must be even for rotary embeddings")
+        if self.seq_len > self.max_seq_len:
+            raise ValueError(f"seq_len ({self.seq_len}) exceeds max_seq_len ({self.max_seq_len})")
+
+
+PRESETS: dict[str, DenseConfig] = {
+    # Runs a training step in a few milliseconds: for tests.
+    "tiny": DenseConfig(
+        vocab_size=128, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=192,
+        max_seq_len=64, batch_size=2, seq_len=16,
+    ),
+    # About half a second per training step on two CPU cores: for the bench.
+    "small": DenseConfig(),
+}
+
+
+class DecoderLayerOutput(TypedDict):
+    hidden_states: torch.Tensor
+
+
+def dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
+    """Out-of-place dropout (one op); ``F.dropout`` on CPU mutates a mask in place."""
+    if not training or p == 0.0:
+        return x
+    return torch.native_dropout(x, p, True)[0]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * rstd).type_as(x) * self.weight
+
+
+def rope_frequencies(head_dim: int, max_seq_len: int, theta: float) -> torch.Tensor:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), inv_freq)
+    return torch.polar(torch.ones_like(angles), angles).to(torch.complex64)
+
+
+def apply_rope(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` [batch, seq, heads, head_dim] by ``freqs_cis`` [seq, head_dim/2].
+
+    The complex form allocates one output tensor; the rotate-half form allocates
+    four, which a kept ``rope`` unit would all cache.
+    """
+    xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    return torch.view_as_real(xc * freqs_cis[None, :, None, :]).flatten(3).type_as(x)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention + SwiGLU block; each unit sits between two markers."""
+
+    recompute_intervals: ClassVar[RecomputeIntervalMap] = RecomputeIntervalMap(
+        {
+            "attn_norm": MarkerInterval("attn_norm", "qkv_proj"),
+            "qkv_proj": MarkerInterval("qkv_proj", "qk_norm"),
+            "qk_norm": MarkerInterval("qk_norm", "rope"),
+            "rope": MarkerInterval("rope", "attn_core"),
+            "attn_core": MarkerInterval("attn_core", "attn_proj"),
+            "attn_proj": MarkerInterval("attn_proj", "attn_residual"),
+            "mlp_norm": MarkerInterval("mlp_norm", "mlp_up"),
+            "mlp_up": MarkerInterval("mlp_up", "mlp_act"),
+            "mlp_act": MarkerInterval("mlp_act", "mlp_down"),
+            "mlp_down": MarkerInterval("mlp_down", "mlp_residual"),
+        }
+    )
+
+    def __init__(self, config: DenseConfig) -> None:
+        super().__init__()
+        self.config = config
+        hd = config.head_dim
+        self.attn_norm = RMSNorm(config.dim, config.norm_eps)
+        self.q_proj = nn.Linear(config.dim, config.n_heads * hd, bias=False)
+        self.k_proj = nn.Linear(config.dim, config.n_kv_heads * hd, bias=False)
+        self.v_proj = nn.Linear(config.dim, config.n_kv_heads * hd, bias=False)
+        self.q_norm = RMSNorm(hd, config.norm_eps)
+        self.k_norm = RMSNorm(hd, config.norm_eps)
+        self.o_proj = nn.Linear(config.n_heads * hd, config.dim, bias=False)
+        self.mlp_norm = RMSNorm(config.dim, config.norm_eps)
+        self.gate_proj = nn.Linear(config.dim, config.ffn_dim, bias=False)
+        self.up_proj = nn.Linear(config.dim, config.ffn_dim, bias=False)
+        self.down_proj = nn.Linear(config.ffn_dim, config.dim, bias=False)
+
+    def forward(self, hidden_states: torch.Tensor, *, freqs_cis: torch.Tensor) -> DecoderLayerOutput:
+        cfg = self.config
+        batch, seq, _ = hidden_states.shape
+        p = cfg.dropout if self.training else 0.0
+
+        checkpoint_record("attn_norm")
+        x = self.attn_norm(hidden_states)
+        checkpoint_record("qkv_proj")
+        q = self.q_proj(x).view(batch, seq, cfg.n_heads, cfg.head_dim)
+        k = self.k_proj(x).view(batch, seq, cfg.n_kv_heads, cfg.head_dim)
+        v = self.v_proj(x).view(batch, seq, cfg.n_kv_heads, cfg.head_dim)
+        checkpoint_record("qk_norm")
+        q, k = self.q_norm(q), self.k_norm(k)
+        checkpoint_record("rope")
+        q, k = apply_rope(q, freqs_cis), apply_rope(k, freqs_cis)
+        checkpoint_record("attn_core")
+        attn = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
+        )
+        checkpoint_record("attn_proj")
+        attn_out = dropout(self.o_proj(attn.transpose(1, 2).reshape(batch, seq, -1)), p, self.training)
+        checkpoint_record("attn_residual")
+        hidden_states = hidden_states + attn_out
+
+        checkpoint_record("mlp_norm")
+        x = self.mlp_norm(hidden_states)
+        checkpoint_record("mlp_up")
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        checkpoint_record("mlp_act")
+        act = F.silu(gate) * up
+        checkpoint_record("mlp_down")
+        mlp_out = dropout(self.down_proj(act), p, self.training)
+        checkpoint_record("mlp_residual")
+        return {"hidden_states": hidden_states + mlp_out}
+
+
+class ModelOutput(TypedDict):
+    loss: torch.Tensor | None
+    logits: torch.Tensor
+
+
+class DenseModel(nn.Module):
+    def __init__(self, config: DenseConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.dim)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.n_layers))
+        self.norm = RMSNorm(config.dim, config.norm_eps)
+        self.lm_head = nn.Linear(config.dim, config.vocab_size, bias=False)
+        self.register_buffer(
+            "freqs_cis",
+            rope_frequencies(config.head_dim, config.max_seq_len, config.rope_theta),
+            persistent=False,
+        )
+        self.reset_parameters()
+
+    def reset_parameters(self, seed: int = 0) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        for name, param in self.named_parameters():
+            if name.endswith("norm.weight"):
+                nn.init.ones_(param)
+            else:
+                std = 0.02 / math.sqrt(2 * self.config.n_layers) if name.endswith(
+                    ("o_proj.weight", "down_proj.weight")
+                ) else 0.02
+                with torch.no_grad():
+                    param.normal_(0.0, std, generator=gen)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> ModelOutput:
+        seq = input_ids.shape[1]
+        hidden_states = self.embed(input_ids)
+        freqs_cis = self.freqs_cis[:seq]
+        for layer in self.layers:
+            hidden_states = layer(hidden_states, freqs_cis=freqs_cis)["hidden_states"]
+        logits = self.lm_head(self.norm(hidden_states))
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+        return {"loss": loss, "logits": logits}
+
+    def activation_floor_bytes(self, batch: dict[str, torch.Tensor]) -> int:
+        """Bytes that must stay alive at the end of forward whatever the layers do.
+
+        Every checkpointed layer keeps its input (batch x seq x dim); outside the
+        layers the final norm keeps its input, normalised product and output plus
+        one statistic per token, and cross-entropy keeps its log-probabilities.
+        """
+        tokens = batch["input_ids"].numel()
+        elt = self.embed.weight.element_size()
+        layer_inputs = self.config.n_layers * tokens * self.config.dim * elt
+        final_norm = 3 * tokens * self.config.dim * elt + tokens * 4
+        log_probs = tokens * self.config.vocab_size * 4
+        return layer_inputs + final_norm + log_probs
+
+
+def make_batch(config: DenseConfig, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random token ids and next-token labels of the configured shape."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, config.vocab_size, (config.batch_size, config.seq_len + 1), generator=gen)
+    return {"input_ids": ids[:, :-1].contiguous(), "labels": ids[:, 1:].contiguous()}
+
+
+def build(size: str = "small", **overrides) -> tuple[DenseModel, DenseConfig]:
+    """The dense reference model of a named size, with optional config overrides."""
+    if size not in PRESETS:
+        raise ValueError(f"unknown dense size {size!r}; choose one of {', '.join(PRESETS)}")
+    config = replace(PRESETS[size], **overrides)
+    return DenseModel(config), config

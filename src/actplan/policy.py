@@ -1,0 +1,279 @@
+"""Turn a layer's kept intervals into a per-op selective-checkpoint policy.
+
+``IntervalPolicy`` follows the markers a layer emits (``checkpoint_record``) as a
+small state machine and answers, for every aten op of the layer's forward,
+whether its output is saved or recomputed:
+
+* an op that runs while a kept interval is open is saved (``MUST_SAVE``);
+* collective outputs and routing ops (top-k, sort, counts, device-to-host
+  copies) are always saved, so recompute never re-communicates or re-routes;
+* random ops (dropout, ``rand``...) are always replayed, even inside a kept
+  interval: a cached random op would not advance the generator during
+  recompute, and every random op after it would draw different numbers;
+* everything else is recomputed (``PREFER_RECOMPUTE``).
+
+Markers that are unknown, unbalanced or wrongly nested raise ``MarkerError``
+naming the layer, the marker and what was expected. Imports point down to
+``units`` and ``markers`` only.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from collections import defaultdict
+from collections.abc import Iterable
+
+import torch
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from actplan.markers import LAYER_END, MARKER_OP
+from actplan.units import MarkerInterval, RecomputeIntervalMap
+
+_SAVE = CheckpointPolicy.MUST_SAVE
+_RECOMPUTE = CheckpointPolicy.PREFER_RECOMPUTE
+
+# torch < 2.13 also calls the policy during recompute (ctx.is_recompute=True) and
+# expects the same answers; newer torch replays cached decisions by index itself.
+_POLICY_CALLED_ON_RECOMPUTE = tuple(int(p) for p in torch.__version__.split(".")[:2]) < (2, 13)
+
+_COLLECTIVE_NAMESPACES = frozenset({"_c10d_functional", "c10d_functional", "_c10d_functional_autograd"})
+
+
+def _routing_ops() -> frozenset:
+    aten = torch.ops.aten
+    names = [
+        ("topk", "default"), ("sort", "default"), ("sort", "stable"), ("argsort", "default"),
+        ("argsort", "stable"), ("nonzero", "default"), ("bincount", "default"),
+        ("histc", "default"), ("_local_scalar_dense", "default"), ("unique_consecutive", "default"),
+        ("_unique2", "default"),
+    ]
+    ops = set()
+    for packet, overload in names:
+        op = getattr(getattr(aten, packet, None), overload, None)
+        if op is not None:
+            ops.add(op)
+    return frozenset(ops)
+
+
+_ROUTING_OPS = _routing_ops()
+_TO_COPY = torch.ops.aten._to_copy.default
+
+
+@functools.lru_cache(maxsize=None)
+def _always_saved(func) -> bool:
+    """Collectives and routing ops: their outputs are never recomputed."""
+    namespace = getattr(func, "namespace", None)
+    return func in _ROUTING_OPS or namespace in _COLLECTIVE_NAMESPACES
+
+
+@functools.lru_cache(maxsize=None)
+def _random_spec(func) -> tuple[bool, int | None]:
+    """(whether the op may draw random numbers, position of its ``dropout_p`` argument)."""
+    if torch.Tag.nondeterministic_seeded not in getattr(func, "tags", ()):
+        return False, None
+    for position, argument in enumerate(func._schema.arguments):
+        if argument.name == "dropout_p":
+            return True, position
+    return True, None
+
+
+def _draws_random(func, args, kwargs) -> bool:
+    seeded, dropout_position = _random_spec(func)
+    if not seeded or dropout_position is None:
+        return seeded
+    # Attention kernels are tagged random but draw only when dropout_p > 0.
+    if "dropout_p" in kwargs:
+        return kwargs["dropout_p"] != 0
+    return dropout_position < len(args) and args[dropout_position] != 0
+
+
+def _is_device_to_host(args, kwargs) -> bool:
+    device = kwargs.get("device")
+    if device is None or torch.device(device).type != "cpu":
+        return False
+    source = args[0] if args else None
+    return isinstance(source, torch.Tensor) and source.device.type != "cpu"
+
+
+class MarkerError(RuntimeError):
+    """Markers emitted by a layer do not match its ``RecomputeIntervalMap``."""
+
+
+class IntervalPolicy:
+    """Selective-checkpoint policy for one layer.
+
+    Args:
+        interval_map: the layer class's declaration of units and intervals.
+        kept_intervals: intervals whose ops are saved; each must be in ``interval_map``.
+        layer_name: used in errors and warnings, e.g. ``"layers.3 (DecoderLayer)"``.
+        save_collectives: keep collective and routing outputs whatever the plan
+            (on by default; turning it off reruns collectives in backward).
+
+    ``context_fn`` is what ``torch.utils.checkpoint`` takes; it is a
+    ``functools.partial`` so ``torch.compile`` can trace it.
+    """
+
+    def __init__(
+        self,
+        interval_map: RecomputeIntervalMap,
+        kept_intervals: Iterable[MarkerInterval],
+        *,
+        layer_name: str = "<layer>",
+        save_collectives: bool = True,
+    ) -> None:
+        kept = frozenset(kept_intervals)
+        declared = {span for spans in interval_map.values() for span in spans}
+        undeclared = kept - declared
+        if undeclared:
+            raise ValueError(
+                f"{layer_name}: kept intervals {sorted(map(str, undeclared))} are not declared in the "
+                f"layer's RecomputeIntervalMap; declared: {sorted(map(str, declared))}"
+            )
+        self.interval_map = interval_map
+        self.kept_intervals = kept
+        self.layer_name = layer_name
+        self.save_collectives = save_collectives
+        opens: dict[str, list[MarkerInterval]] = defaultdict(list)
+        closes: dict[str, list[MarkerInterval]] = defaultdict(list)
+        for span in declared:
+            opens[span.start].append(span)
+            closes[span.end].append(span)
+        self._opens = {m: tuple(v) for m, v in opens.items()}
+        self._closes = {m: tuple(v) for m, v in closes.items()}
+        self._warned_empty: set[MarkerInterval] = set()
+        self.context_fn = functools.partial(_region_contexts, self)
+
+    def __repr__(self) -> str:
+        kept = ", ".join(sorted(str(s) for s in self.kept_intervals)) or "nothing"
+        return f"IntervalPolicy({self.layer_name}: keep {kept})"
+
+    def describe(self, interval: MarkerInterval) -> str:
+        return f"interval {interval} of unit {self.interval_map.unit_of(interval).value!r}"
+
+    def warn_empty(self, interval: MarkerInterval) -> None:
+        if interval in self._warned_empty:
+            return
+        self._warned_empty.add(interval)
+        warnings.warn(
+            f"{self.layer_name}: kept {self.describe(interval)} ran no op, so keeping it saves "
+            "nothing. Check that the layer emits its markers around real work, or drop the unit "
+            "from 'keep'.",
+            stacklevel=2,
+        )
+
+
+def _region_contexts(policy: IntervalPolicy):
+    region = _Region(policy)
+    return create_selective_checkpoint_contexts(region.decide)
+
+
+class _Region:
+    """Marker state and decisions for one checkpointed call of one layer."""
+
+    __slots__ = ("policy", "open", "kept_open", "marker_seq", "op_count", "finished", "log", "replay_index")
+
+    def __init__(self, policy: IntervalPolicy) -> None:
+        self.policy = policy
+        # interval -> (sequence number of the marker that opened it, op_count then)
+        self.open: dict[MarkerInterval, tuple[int, int]] = {}
+        self.kept_open = 0
+        self.marker_seq = 0
+        self.op_count = 0
+        self.finished = False
+        self.log: dict | None = defaultdict(list) if _POLICY_CALLED_ON_RECOMPUTE else None
+        self.replay_index: dict = defaultdict(int)
+
+    def decide(self, ctx, func, *args, **kwargs) -> CheckpointPolicy:
+        if ctx.is_recompute:
+            return self._replay(func)
+        if func is MARKER_OP:
+            self._on_marker(args[0])
+            decision = _RECOMPUTE
+        else:
+            self.op_count += 1
+            if _draws_random(func, args, kwargs):
+                decision = _RECOMPUTE
+            elif self.kept_open:
+                decision = _SAVE
+            elif self.policy.save_collectives and (
+                _always_saved(func) or (func is _TO_COPY and _is_device_to_host(args, kwargs))
+            ):
+                decision = _SAVE
+            else:
+                decision = _RECOMPUTE
+        if self.log is not None:
+            self.log[func].append(decision)
+        return decision
+
+    def _replay(self, func) -> CheckpointPolicy:
+        if self.log is None:
+            raise RuntimeError(
+                "this torch build calls the selective-checkpoint policy during recompute, which "
+                f"actplan did not expect for torch {torch.__version__}; please report it"
+            )
+        index = self.replay_index[func]
+        self.replay_index[func] = index + 1
+        return self.log[func][index]
+
+    def _on_marker(self, marker: str) -> None:
+        policy = self.policy
+        if self.finished:
+            raise MarkerError(
+                f"{policy.layer_name}: marker {marker!r} ran after the layer's forward ended; "
+                "markers must be emitted inside the checkpointed forward"
+            )
+        if marker == LAYER_END:
+            self._finish()
+            return
+        closes = policy._closes.get(marker, ())
+        opens = policy._opens.get(marker, ())
+        if not closes and not opens:
+            known = ", ".join(sorted(policy.interval_map.markers))
+            raise MarkerError(
+                f"{policy.layer_name}: unknown marker {marker!r}; the layer's RecomputeIntervalMap "
+                f"uses markers {known}. Declare an interval that starts or ends at {marker!r}, or "
+                "remove the checkpoint_record call."
+            )
+        self.marker_seq += 1
+        for span in closes:
+            if span not in self.open:
+                raise MarkerError(
+                    f"{policy.layer_name}: unbalanced marker {marker!r}: it ends "
+                    f"{policy.describe(span)}, which is not open; expected marker {span.start!r} "
+                    "before it"
+                )
+        for span in closes:
+            opened_seq, opened_ops = self.open[span]
+            for other, (other_seq, _) in self.open.items():
+                if other_seq > opened_seq and other not in closes:
+                    raise MarkerError(
+                        f"{policy.layer_name}: wrongly nested marker {marker!r}: it ends "
+                        f"{policy.describe(span)} while {policy.describe(other)}, opened inside "
+                        f"it, is still open; expected marker {other.end!r} first"
+                    )
+        for span in closes:
+            _, opened_ops = self.open.pop(span)
+            if span in policy.kept_intervals:
+                self.kept_open -= 1
+                if opened_ops == self.op_count:
+                    policy.warn_empty(span)
+        for span in opens:
+            if span in self.open:
+                raise MarkerError(
+                    f"{policy.layer_name}: unbalanced marker {marker!r}: it starts "
+                    f"{policy.describe(span)} again before that interval ended; expected marker "
+                    f"{span.end!r} first"
+                )
+            self.open[span] = (self.marker_seq, self.op_count)
+            if span in policy.kept_intervals:
+                self.kept_open += 1
+
+    def _finish(self) -> None:
+        self.finished = True
+        if self.open:
+            span = max(self.open, key=lambda s: self.open[s][0])
+            raise MarkerError(
+                f"{self.policy.layer_name}: unbalanced markers: {self.policy.describe(span)} is "
+                f"still open when the forward returns; expected marker {span.end!r}"
+            )

@@ -1,1 +1,43 @@
-"""actplan: decide, per activation, keep / recompute / offload, and apply it exactly."""
+"""actplan: decide, for every activation a transformer saves, keep or recompute, and do it exactly.
+
+The public API. Model authors use ``checkpoint_record`` and the vocabulary;
+training code uses ``RecomputeConfig``, ``apply`` and ``remove``.
+"""
+
+from actplan.apply import apply, find_layers, installed_plan, plan_for, remove
+from actplan.boundary import (
+    apply_gradient_checkpointing,
+    is_checkpointed,
+    remove_gradient_checkpointing,
+)
+from actplan.config import PRESETS, ConfigError, LayerSelector, RecomputeConfig
+from actplan.markers import checkpoint_record
+from actplan.plan import LayerPlan, Plan
+from actplan.policy import IntervalPolicy, MarkerError
+from actplan.units import UNIT_DESCRIPTIONS, MarkerInterval, RecomputeIntervalMap, RecomputeUnit
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "PRESETS",
+    "UNIT_DESCRIPTIONS",
+    "ConfigError",
+    "IntervalPolicy",
+    "LayerPlan",
+    "LayerSelector",
+    "MarkerError",
+    "MarkerInterval",
+    "Plan",
+    "RecomputeConfig",
+    "RecomputeIntervalMap",
+    "RecomputeUnit",
+    "apply",
+    "apply_gradient_checkpointing",
+    "checkpoint_record",
+    "find_layers",
+    "installed_plan",
+    "is_checkpointed",
+    "plan_for",
+    "remove",
+    "remove_gradient_checkpointing",
+]

@@ -45,7 +45,9 @@ def find_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 def layer_specs(model: nn.Module) -> list[LayerSpec]:
     return [
-        LayerSpec(index=i, name=name or "<root>", class_name=type(m).__name__, interval_map=interval_map_of(m))
+        LayerSpec(
+            index=i, name=name or "<root>", class_name=type(m).__name__, interval_map=interval_map_of(m)
+        )
         for i, (name, m) in enumerate(find_layers(model))
     ]
 

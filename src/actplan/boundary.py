@@ -61,7 +61,12 @@ def _run_recorded(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any
 
 def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     state: CheckpointState = getattr(self, _STATE_ATTR)
-    inner = state.previous_forward or types.MethodType(type(self).forward, self)
+    inner = state.previous_forward
+    if inner is None:
+
+        def inner(*args: Any, **kwargs: Any) -> Any:
+            return type(self).forward(self, *args, **kwargs)
+
     # Frozen module with grad-free inputs (or no grad at all): nothing to replay.
     if not torch.is_grad_enabled() or not _needs_grad(self, args, kwargs):
         return inner(*args, **kwargs)

@@ -60,14 +60,14 @@ _ROUTING_OPS = _routing_ops()
 _TO_COPY = torch.ops.aten._to_copy.default
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _always_saved(func) -> bool:
     """Collectives and routing ops: their outputs are never recomputed."""
     namespace = getattr(func, "namespace", None)
     return func in _ROUTING_OPS or namespace in _COLLECTIVE_NAMESPACES
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _random_spec(func) -> tuple[bool, int | None]:
     """(whether the op may draw random numbers, position of its ``dropout_p`` argument)."""
     if torch.Tag.nondeterministic_seeded not in getattr(func, "tags", ()):
@@ -171,7 +171,7 @@ def _region_contexts(policy: IntervalPolicy):
 class _Region:
     """Marker state and decisions for one checkpointed call of one layer."""
 
-    __slots__ = ("policy", "open", "kept_open", "marker_seq", "op_count", "finished", "log", "replay_index")
+    __slots__ = ("finished", "kept_open", "log", "marker_seq", "op_count", "open", "policy", "replay_index")
 
     def __init__(self, policy: IntervalPolicy) -> None:
         self.policy = policy
@@ -194,11 +194,9 @@ class _Region:
             self.op_count += 1
             if _draws_random(func, args, kwargs):
                 decision = _RECOMPUTE
-            elif self.kept_open:
-                decision = _SAVE
-            elif self.policy.save_collectives and (
+            elif self.kept_open or (self.policy.save_collectives and (
                 _always_saved(func) or (func is _TO_COPY and _is_device_to_host(args, kwargs))
-            ):
+            )):
                 decision = _SAVE
             else:
                 decision = _RECOMPUTE

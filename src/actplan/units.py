@@ -147,7 +147,7 @@ class RecomputeIntervalMap(Mapping[RecomputeUnit, tuple[MarkerInterval, ...]]):
     The map is immutable and hashable. Two units may not claim the same interval.
     """
 
-    __slots__ = ("_intervals", "_markers", "_hash")
+    __slots__ = ("_hash", "_intervals", "_markers")
 
     def __init__(
         self,

@@ -1,0 +1,32 @@
+# Set-up and the two project commands. Override TORCH_SPEC for a GPU build, e.g.
+#   make test TORCH_SPEC='torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128'
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.actplan-installed
+
+.PHONY: demo test lint bench setup clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet $(TORCH_SPEC)
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/actplan bench
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests bench
+
+test: lint
+	$(VENV)/bin/pytest -q
+
+bench: $(STAMP)
+	$(VENV)/bin/actplan bench --json bench/results/bench_dense_small.json --markdown bench/results/bench_dense_small.md
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

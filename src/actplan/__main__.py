@@ -1,0 +1,5 @@
+import sys
+
+from actplan.cli import main
+
+sys.exit(main())

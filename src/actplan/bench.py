@@ -1,0 +1,333 @@
+"""``actplan bench``: every policy on one model, measured side by side in one run.
+
+For each policy the same initial weights and batch run one metered training
+step (parity against no checkpointing, activation bytes at the end of forward,
+peak bytes), then all policies are timed interleaved (A B C, B C A, ...) after
+a warm-up. Sits on top of the engine, the models and ``measure``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import platform
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from actplan.apply import apply, find_layers
+from actplan.config import RecomputeConfig
+from actplan.markers import checkpoint_record, recording_markers
+from actplan.measure import (
+    MemoryMeter,
+    StepCapture,
+    capture_step,
+    compare_steps,
+    interleaved_timing,
+    ratio,
+)
+from actplan.models import ModelBundle, build_model
+
+DEFAULT_POLICIES = ("none", "full", "attn", "matmuls", "megatron-selective")
+TORCH_CHECKPOINT = "torch-checkpoint"
+"""Reference row: plain ``torch.utils.checkpoint`` per layer, without actplan."""
+
+
+@dataclass
+class PolicyRow:
+    name: str
+    description: str
+    loss: float
+    loss_identical: bool
+    max_abs_grad_diff: float
+    census_match: bool
+    parity_ok: bool
+    activation_bytes: int
+    peak_bytes: int
+    step_median_s: float
+    step_q25_s: float
+    step_q75_s: float
+    ratio_to_none: float
+    ratio_spread: float
+
+
+@dataclass
+class BenchResult:
+    model: str
+    device: str
+    torch_version: str
+    machine: str
+    command: str
+    started: str
+    repeats: int
+    warmup: int
+    floor_bytes: int | None
+    param_bytes: int
+    rows: list[PolicyRow]
+    overhead_vs_torch_checkpoint: dict[str, float] | None
+    marker_cost_ns: dict[str, float]
+    goals: list[dict[str, Any]] = field(default_factory=list)
+
+    def row(self, name: str) -> PolicyRow | None:
+        return next((r for r in self.rows if r.name == name), None)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _torch_checkpoint_every_layer(model: nn.Module) -> None:
+    """What most trainers do: non-reentrant ``torch.utils.checkpoint`` per layer."""
+    for _, layer in find_layers(model):
+        forward = layer.forward
+
+        def wrapped(*args, _forward=forward, **kwargs):
+            return checkpoint(_forward, *args, use_reentrant=False, **kwargs)
+
+        layer.forward = wrapped
+
+
+def _loss_of(output: Any) -> torch.Tensor:
+    return output["loss"] if isinstance(output, dict) else output
+
+
+@dataclass
+class _Contender:
+    name: str
+    description: str
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+
+
+def _prepare(
+    bundle: ModelBundle, name: str, config: RecomputeConfig | None, device: torch.device
+) -> _Contender:
+    model = copy.deepcopy(bundle.model).to(device)
+    if name == TORCH_CHECKPOINT:
+        _torch_checkpoint_every_layer(model)
+        description = "torch.utils.checkpoint(use_reentrant=False) per layer, no actplan"
+    else:
+        plan = apply(model, config)
+        description = plan.summary()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
+    return _Contender(name, description, model, optimizer)
+
+
+def _train_step(contender: _Contender, batch: dict[str, torch.Tensor], seed: int, *,
+                meter: MemoryMeter | None = None, capture: bool = False) -> StepCapture | None:
+    torch.manual_seed(seed)
+    loss = _loss_of(contender.model(**batch))
+    if meter is not None:
+        meter.mark("forward_end")
+    loss.backward()
+    captured = capture_step(contender.model, loss) if capture else None
+    contender.optimizer.step()
+    contender.optimizer.zero_grad(set_to_none=True)
+    return captured
+
+
+def measure_marker_cost(calls: int = 200_000) -> dict[str, float]:
+    """Nanoseconds per ``checkpoint_record`` call outside and inside a recording region."""
+    out = {}
+    for label, recording in (("outside_region", False), ("inside_region", True)):
+        best = float("inf")
+        for _ in range(3):
+            with recording_markers() if recording else _null():
+                start = time.perf_counter()
+                for _ in range(calls):
+                    checkpoint_record("m")
+                best = min(best, time.perf_counter() - start)
+        out[label] = best / calls * 1e9
+    return out
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def run_bench(
+    model: str = "dense",
+    size: str = "small",
+    policies: tuple[str, ...] = DEFAULT_POLICIES,
+    configs: tuple[str | Path, ...] = (),
+    *,
+    repeats: int = 7,
+    warmup: int = 2,
+    device: str = "auto",
+    reference: bool = True,
+    progress: Callable[[str, int], None] | None = None,
+    command: str | None = None,
+) -> BenchResult:
+    """Run the bench; ``progress(label, steps_total)`` is called once per unit of work."""
+    dev = _device(device)
+    bundle = build_model(model, size)
+    batch = {k: v.to(dev) for k, v in bundle.make_batch(0).items()}
+    entries: list[tuple[str, RecomputeConfig | None]] = [("none", RecomputeConfig.from_preset("none"))]
+    entries += [(p, RecomputeConfig.parse(p)) for p in policies if p != "none"]
+    entries += [(Path(c).stem, RecomputeConfig.from_file(c)) for c in configs]
+    if reference:
+        entries.append((TORCH_CHECKPOINT, None))
+    total = len(entries) * (2 + warmup + repeats)
+    tick = progress or (lambda label, total: None)
+
+    contenders = []
+    captures: dict[str, StepCapture] = {}
+    memory: dict[str, tuple[int, int]] = {}
+    param_bytes = 0
+    for name, config in entries:
+        contender = _prepare(bundle, name, config, dev)
+        contenders.append(contender)
+        # Step 0 builds the optimizer state, so step 1 is metered with it resident.
+        captures[name] = _train_step(contender, batch, seed=0, capture=True)
+        tick(f"parity {name}", total)
+        with MemoryMeter(contender.model, contender.optimizer) as meter:
+            _train_step(contender, batch, seed=1, meter=meter)
+        report = meter.report()
+        memory[name] = (report.marks["forward_end"].activation_bytes, report.peak_bytes)
+        param_bytes = report.param_bytes
+        tick(f"memory {name}", total)
+
+    timings = interleaved_timing(
+        {c.name: (lambda c=c: _train_step(c, batch, seed=2)) for c in contenders},
+        repeats=repeats,
+        warmup=warmup,
+        progress=lambda label: tick(f"timing {label}", total),
+    )
+    baseline = captures["none"]
+    rows = []
+    for contender in contenders:
+        parity = compare_steps(baseline, captures[contender.name])
+        stats = timings[contender.name]
+        rel = ratio(stats, timings["none"])
+        act, peak = memory[contender.name]
+        rows.append(
+            PolicyRow(
+                name=contender.name,
+                description=contender.description,
+                loss=float(captures[contender.name].loss),
+                loss_identical=parity.loss_identical,
+                max_abs_grad_diff=parity.max_abs_grad_diff,
+                census_match=parity.census_match,
+                parity_ok=parity.ok,
+                activation_bytes=act,
+                peak_bytes=peak,
+                step_median_s=stats.median,
+                step_q25_s=stats.q25,
+                step_q75_s=stats.q75,
+                ratio_to_none=rel.median,
+                ratio_spread=rel.spread,
+            )
+        )
+    overhead = None
+    if reference and "full" in timings:
+        rel = ratio(timings["full"], timings[TORCH_CHECKPOINT])
+        overhead = {"median": rel.median, "spread": rel.spread}
+    result = BenchResult(
+        model=bundle.description,
+        device=str(dev),
+        torch_version=torch.__version__,
+        machine=_machine(),
+        command=command or " ".join(["actplan", *sys.argv[1:]]),
+        started=time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        repeats=repeats,
+        warmup=warmup,
+        floor_bytes=bundle.activation_floor_bytes(batch),
+        param_bytes=param_bytes,
+        rows=rows,
+        overhead_vs_torch_checkpoint=overhead,
+        marker_cost_ns=measure_marker_cost(),
+    )
+    result.goals = evaluate_goals(result)
+    return result
+
+
+def _machine() -> str:
+    threads = torch.get_num_threads()
+    gpu = f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
+    return f"{platform.machine()}, {threads} torch threads, python {platform.python_version()}{gpu}"
+
+
+def evaluate_goals(result: BenchResult) -> list[dict[str, Any]]:
+    """The issue's performance goals, each with its measured figure and verdict."""
+    goals = []
+    none, full, matmuls = result.row("none"), result.row("full"), result.row("matmuls")
+    if full and result.floor_bytes:
+        value = full.activation_bytes / result.floor_bytes
+        goals.append({"goal": "full: activation bytes / analytic floor <= 1.10", "value": value,
+                      "met": value <= 1.10})
+    if none and matmuls:
+        cut = 1 - matmuls.activation_bytes / none.activation_bytes
+        goals.append({"goal": "matmuls: activation bytes at least 35% below none", "value": cut,
+                      "met": cut >= 0.35})
+        goals.append({"goal": "matmuls: step time <= 1.10x none", "value": matmuls.ratio_to_none,
+                      "met": matmuls.ratio_to_none <= 1.10})
+    if result.overhead_vs_torch_checkpoint:
+        value = result.overhead_vs_torch_checkpoint["median"]
+        goals.append({"goal": "full via actplan / plain torch.utils.checkpoint <= 1.03", "value": value,
+                      "met": value <= 1.03})
+    return goals
+
+
+def write_json(result: BenchResult, path: str | Path) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(result.to_dict(), indent=2) + "\n")
+
+
+def mib(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**20:,.1f}"
+
+
+def to_markdown(result: BenchResult) -> str:
+    """The result as a markdown report: context, the table, goals, marker cost."""
+    lines = [
+        f"# actplan bench: {result.model}",
+        "",
+        f"- command: `{result.command}`",
+        f"- device: {result.device}; torch {result.torch_version}; {result.machine}",
+        f"- started: {result.started}; timing: {result.warmup} warm-up + {result.repeats} interleaved "
+        "rounds, median and interquartile spread",
+        f"- parameters: {mib(result.param_bytes)} MiB; analytic activation floor: "
+        f"{mib(result.floor_bytes)} MiB",
+        "",
+        "| policy | loss identical | max abs dgrad | grad census | activations @ fwd end (MiB) "
+        "| vs none | peak (MiB) | step median (s) | ratio to none |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    none = result.row("none")
+    for r in result.rows:
+        rel = r.activation_bytes / none.activation_bytes if none else float("nan")
+        lines.append(
+            f"| {r.name} | {'yes' if r.loss_identical else 'NO'} | {r.max_abs_grad_diff:.1e} | "
+            f"{'match' if r.census_match else 'MISMATCH'} | {mib(r.activation_bytes)} | {rel:.2f} | "
+            f"{mib(r.peak_bytes)} | {r.step_median_s:.3f} | {r.ratio_to_none:.3f} ± {r.ratio_spread:.3f} |"
+        )
+    lines += ["", "## Goals", ""]
+    for g in result.goals:
+        lines.append(f"- {'met' if g['met'] else 'NOT met'}: {g['goal']} (measured {g['value']:.3f})")
+    lines += [
+        "",
+        "## Marker cost",
+        "",
+        f"- `checkpoint_record` outside a checkpointed layer: {result.marker_cost_ns['outside_region']:.0f} "
+        "ns per call",
+        f"- inside a recording region (dispatches the op): {result.marker_cost_ns['inside_region']:.0f} "
+        "ns per call",
+        "",
+    ]
+    return "\n".join(lines)

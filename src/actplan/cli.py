@@ -1,0 +1,145 @@
+"""The ``actplan`` command line: ``bench`` (the main job) and ``explain``.
+
+Top of the import picture: it may use everything, nothing imports it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from actplan.bench import DEFAULT_POLICIES, BenchResult, mib, run_bench, to_markdown, write_json
+from actplan.config import PRESETS, ConfigError
+from actplan.models import MODELS
+
+
+def _bench(args: argparse.Namespace, console: Console) -> int:
+    policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
+    with Progress(
+        TextColumn("[bold]{task.description:<32}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+        disable=args.quiet,
+    ) as bar:
+        task = bar.add_task("building", total=None)
+
+        def tick(label: str, total: int) -> None:
+            bar.update(task, total=total, advance=1, description=label)
+
+        result = run_bench(
+            args.model,
+            args.size,
+            policies,
+            tuple(args.config),
+            repeats=args.repeats,
+            warmup=args.warmup,
+            device=args.device,
+            reference=not args.no_reference,
+            progress=tick,
+            command="actplan " + " ".join(sys.argv[1:]) if sys.argv[1:] else "actplan bench",
+        )
+    console.print(bench_table(result))
+    for goal in result.goals:
+        style = "green" if goal["met"] else "red"
+        console.print(f"[{style}]{'met' if goal['met'] else 'NOT met'}[/]: {goal['goal']} "
+                      f"(measured {goal['value']:.3f})")
+    if args.json:
+        write_json(result, args.json)
+        console.print(f"wrote {args.json}")
+    if args.markdown:
+        Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.markdown).write_text(to_markdown(result))
+        console.print(f"wrote {args.markdown}")
+    return 0 if all(r.parity_ok for r in result.rows) else 1
+
+
+def bench_table(result: BenchResult) -> Table:
+    table = Table(title=f"actplan bench — {result.model} — {result.device}, torch {result.torch_version}",
+                  caption=f"analytic activation floor {mib(result.floor_bytes)} MiB; "
+                  f"{result.warmup} warm-up + {result.repeats} interleaved rounds")
+    for column in ("policy", "loss identical", "max |Δgrad|", "grad census", "act. @ fwd end MiB",
+                   "vs none", "peak MiB", "floor MiB", "step s (median)", "ratio to none"):
+        table.add_column(column, justify="left" if column == "policy" else "right")
+    none = result.row("none")
+    for r in result.rows:
+        table.add_row(
+            r.name,
+            "[green]yes[/]" if r.loss_identical else "[red]NO[/]",
+            f"{r.max_abs_grad_diff:.1e}",
+            "[green]match[/]" if r.census_match else "[red]MISMATCH[/]",
+            mib(r.activation_bytes),
+            f"{r.activation_bytes / none.activation_bytes:.2f}" if none else "-",
+            mib(r.peak_bytes),
+            mib(result.floor_bytes),
+            f"{r.step_median_s:.3f}",
+            f"{r.ratio_to_none:.3f} ± {r.ratio_spread:.3f}",
+        )
+    return table
+
+
+def _explain(args: argparse.Namespace, console: Console) -> int:
+    from actplan.apply import plan_for
+    from actplan.models import build_model
+
+    bundle = build_model(args.model, args.size)
+    plan = plan_for(bundle.model, args.config)
+    table = Table(title=f"plan for {bundle.description}", caption=plan.summary())
+    for column in ("layer", "module", "class", "mode", "kept units", "from"):
+        table.add_column(column)
+    for layer in plan.layers:
+        kept = ", ".join(u.value for u in layer.kept_units) if layer.mode == "selective" else "-"
+        table.add_row(str(layer.index), layer.name, layer.class_name, layer.mode, kept or "(none)",
+                      layer.source)
+    console.print(table)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="actplan", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    bench = sub.add_parser("bench", help="measure every policy side by side on a reference model")
+    bench.add_argument("--model", default="dense", choices=sorted(MODELS))
+    bench.add_argument("--size", default="small", help="model size preset (tiny, small)")
+    bench.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
+                       help=f"comma-separated presets (known: {', '.join(PRESETS)})")
+    bench.add_argument("--config", action="append", default=[], metavar="FILE",
+                       help="add a row for a config file (repeatable)")
+    bench.add_argument("--repeats", type=int, default=7, help="timed interleaved rounds")
+    bench.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
+    bench.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    bench.add_argument("--no-reference", action="store_true",
+                       help="skip the plain torch.utils.checkpoint reference row")
+    bench.add_argument("--json", metavar="PATH", help="write the full result as JSON")
+    bench.add_argument("--markdown", metavar="PATH", help="write a markdown report")
+    bench.add_argument("--quiet", action="store_true", help="no progress bar")
+    bench.set_defaults(run=_bench)
+
+    explain = sub.add_parser("explain", help="print the per-layer plan a config resolves to")
+    explain.add_argument("--model", default="dense", choices=sorted(MODELS))
+    explain.add_argument("--size", default="small")
+    explain.add_argument("--config", required=True, help="preset name or YAML/JSON file")
+    explain.set_defaults(run=_explain)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    console = Console()
+    try:
+        return args.run(args, console)
+    except (ConfigError, ValueError) as err:
+        console.print(f"[red]error:[/] {err}")
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,619 @@
+"""What the user asks for: ``RecomputeConfig``, its layer selectors and the named presets.
+
+Pure validation and (de)serialisation from dicts, YAML and JSON; ``plan.py`` resolves a
+config against a model's layers. Imports only ``actplan.units``, pydantic, PyYAML and stdlib.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Literal, get_args
+
+import yaml
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    RootModel,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from actplan.units import RecomputeUnit, parse_unit
+
+Mode = Literal["none", "full", "selective"]
+PresetName = Literal["none", "full", "attn", "matmuls", "megatron-selective"]
+
+CONFIG_SUFFIXES: dict[str, str] = {".yaml": "yaml", ".yml": "yaml", ".json": "json"}
+
+
+class ConfigError(ValueError):
+    """A recompute config that is malformed, inconsistent, or does not fit the model."""
+
+
+@dataclass(frozen=True)
+class PresetSpec:
+    """A named recompute choice: a mode and, for selective, the units kept or recomputed.
+
+    Exactly one of ``kept_units`` / ``recomputed_units`` is set for a selective preset.
+    A preset names a category of units, so resolution silently drops the ones a layer
+    does not declare (unlike units a user lists explicitly).
+    """
+
+    mode: Mode
+    description: str
+    kept_units: tuple[RecomputeUnit, ...] | None = None
+    recomputed_units: tuple[RecomputeUnit, ...] | None = None
+
+
+PRESETS: dict[str, PresetSpec] = {
+    "none": PresetSpec("none", "no checkpointing: every activation stays resident"),
+    "full": PresetSpec("full", "whole-layer checkpointing: keep only the layer input, recompute the rest"),
+    "attn": PresetSpec(
+        "selective",
+        "keep the attention kernel output, recompute everything else",
+        kept_units=(RecomputeUnit.ATTN_CORE,),
+    ),
+    "matmuls": PresetSpec(
+        "selective",
+        "keep GEMM and attention-kernel outputs, recompute norms and elementwise ops",
+        # mlp_down is left out on purpose: its output feeds only the residual add, so
+        # backward never reads it and non-reentrant recompute stops before reaching it.
+        # Keeping it would cost memory and save no work.
+        kept_units=(
+            RecomputeUnit.QKV_PROJ,
+            RecomputeUnit.ATTN_CORE,
+            RecomputeUnit.ATTN_PROJ,
+            RecomputeUnit.MLP_UP,
+            RecomputeUnit.MOE_EXPERTS,
+            RecomputeUnit.SHARED_EXPERTS,
+            RecomputeUnit.MOE_ROUTER,
+        ),
+    ),
+    "megatron-selective": PresetSpec(
+        "selective",
+        "Megatron-style: recompute only the attention kernel, keep everything else",
+        recomputed_units=(RecomputeUnit.ATTN_CORE,),
+    ),
+}
+assert set(PRESETS) == set(get_args(PresetName)), "PRESETS and PresetName must list the same names"
+
+
+def _valid_presets() -> str:
+    return ", ".join(PRESETS)
+
+
+# ---------------------------------------------------------------------------------------
+# Layer selectors
+
+
+_RANGE_PIECE = re.compile(r"^\s*(\d+)\s*(?:-\s*(\d+)\s*)?$")
+_SELECTOR_FORMS = (
+    "'all', 'none', a layer index, a range string like '0-11' or '0-3,8,10-11', "
+    "a list of indices and range strings, {every: N} (optionally with offset: k), "
+    "{first: K} or {last: K}"
+)
+_DICT_SELECTOR_KEYS: tuple[frozenset[str], ...] = (
+    frozenset({"every"}),
+    frozenset({"every", "offset"}),
+    frozenset({"first"}),
+    frozenset({"last"}),
+)
+
+
+def _is_int(value: object) -> bool:
+    # bool is an int subclass, but `layers: true` is a mistake, not layer 1.
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _parse_ranges(text: str) -> tuple[tuple[int, int], ...]:
+    """Parse ``'0-3,8,10-11'`` into inclusive ``(first, last)`` pairs."""
+    ranges: list[tuple[int, int]] = []
+    for piece in text.split(","):
+        match = _RANGE_PIECE.match(piece)
+        if match is None:
+            if piece.strip().startswith("-"):
+                raise ConfigError(
+                    f"layer selector {text!r}: {piece.strip()!r} is negative; layer indices count "
+                    "from 0 (to select the last layers use {last: K})"
+                )
+            raise ConfigError(
+                f"layer selector {text!r}: {piece.strip()!r} is not a layer index or range; "
+                "write indices like '3' and inclusive ranges like '0-11', separated by commas"
+            )
+        first = int(match.group(1))
+        last = int(match.group(2)) if match.group(2) is not None else first
+        if last < first:
+            raise ConfigError(
+                f"layer selector {text!r}: range '{first}-{last}' is reversed; write '{last}-{first}'"
+            )
+        ranges.append((first, last))
+    return tuple(ranges)
+
+
+def _check_selector(raw: Any) -> Any:
+    """Validate a selector in its user form; return it with tuples turned into lists."""
+    if isinstance(raw, str):
+        if raw not in ("all", "none"):
+            _parse_ranges(raw)
+        return raw
+    if _is_int(raw):
+        if raw < 0:
+            raise ConfigError(
+                f"layer index {raw} is negative; layer indices count from 0 "
+                "(to select the last layers use {last: K})"
+            )
+        return raw
+    if isinstance(raw, list | tuple):
+        if not raw:
+            raise ConfigError(
+                "layer selector [] selects no layers; list at least one index, "
+                "or write 'none' to turn checkpointing off"
+            )
+        for item in raw:
+            if isinstance(item, str):
+                _parse_ranges(item)
+            elif _is_int(item):
+                _check_selector(item)
+            else:
+                raise ConfigError(
+                    f"layer selector list item {item!r} is neither a layer index nor a range string "
+                    "like '0-11'"
+                )
+        return list(raw)
+    if isinstance(raw, Mapping):
+        keys = frozenset(raw)
+        if keys not in _DICT_SELECTOR_KEYS:
+            raise ConfigError(
+                f"layer selector {dict(raw)!r} has keys {sorted(map(str, keys))}; use one of "
+                "{every: N}, {every: N, offset: k}, {first: K} or {last: K}"
+            )
+        for key, value in raw.items():
+            if not _is_int(value):
+                raise ConfigError(f"layer selector {key}: {value!r} must be an integer")
+        if "every" in raw and raw["every"] < 1:
+            raise ConfigError(
+                f"layer selector every: {raw['every']} must be at least 1 "
+                "(every: 1 selects all layers; layers: none turns checkpointing off)"
+            )
+        if raw.get("offset", 0) < 0:
+            raise ConfigError(f"layer selector offset: {raw['offset']} is negative; offsets count from 0")
+        for key in ("first", "last"):
+            if key in raw and raw[key] < 1:
+                raise ConfigError(
+                    f"layer selector {key}: {raw[key]} selects no layers; use {key}: 1 or more, "
+                    "or layers: none to turn checkpointing off"
+                )
+        return dict(raw)
+    raise ConfigError(f"layer selector {raw!r} has an unsupported form; use {_SELECTOR_FORMS}")
+
+
+class LayerSelector(RootModel[str | int | list[int | str] | dict[str, int]]):
+    """Which layers a config entry applies to, kept in the form the user wrote it.
+
+    Forms: ``'all'``, ``'none'``, an index, ``'0-3,8,10-11'`` (inclusive ranges), a list of
+    indices and range strings, ``{every: N}`` / ``{every: N, offset: k}``, ``{first: K}``,
+    ``{last: K}``. Malformed forms fail at parse time; indices past the model's last
+    layer fail in ``resolve``.
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _validate_form(cls, raw: Any) -> Any:
+        return _check_selector(raw)
+
+    @property
+    def selects_nothing(self) -> bool:
+        """True only for the literal ``'none'``, the explicit way to select no layers."""
+        return self.root == "none"
+
+    def resolve(self, num_layers: int) -> tuple[int, ...]:
+        """The selected layer indices, sorted and unique, for a model with ``num_layers`` layers."""
+        selected = self._indices(self.root, num_layers)
+        if not selected and not self.selects_nothing:
+            raise ConfigError(
+                f"layer selector {self.root!r} selects no layers of a model with {num_layers}; "
+                "select at least one layer, or write 'none' to turn checkpointing off"
+            )
+        return tuple(sorted(set(selected)))
+
+    @classmethod
+    def _indices(cls, raw: Any, num_layers: int) -> list[int]:
+        if raw == "all":
+            return list(range(num_layers))
+        if raw == "none":
+            return []
+        if _is_int(raw):
+            _check_in_range(raw, num_layers)
+            return [raw]
+        if isinstance(raw, str):
+            out: list[int] = []
+            for first, last in _parse_ranges(raw):
+                _check_in_range(last, num_layers)
+                out.extend(range(first, last + 1))
+            return out
+        if isinstance(raw, list):
+            return [index for item in raw for index in cls._indices(item, num_layers)]
+        if "every" in raw:
+            offset = raw.get("offset", 0)
+            _check_in_range(offset, num_layers, what=f"offset {offset}")
+            return list(range(offset, num_layers, raw["every"]))
+        key = "first" if "first" in raw else "last"
+        count = raw[key]
+        if count > num_layers:
+            raise ConfigError(
+                f"layer selector {key}: {count} asks for more layers than the model has ({num_layers}); "
+                f"use {key}: {num_layers} or less"
+            )
+        return list(range(count)) if key == "first" else list(range(num_layers - count, num_layers))
+
+
+def _check_in_range(index: int, num_layers: int, what: str | None = None) -> None:
+    if index >= num_layers:
+        valid = f"0-{num_layers - 1}" if num_layers else "none"
+        raise ConfigError(
+            f"{what or f'layer index {index}'} is out of range for a model with {num_layers} layers "
+            f"(valid indices: {valid}); select only existing layers"
+        )
+
+
+# ---------------------------------------------------------------------------------------
+# Recompute choices: the top level and each override
+
+
+def _unit_name(value: Any) -> RecomputeUnit:
+    if isinstance(value, RecomputeUnit):
+        return value
+    if not isinstance(value, str):
+        raise ConfigError(f"expected a unit name string, got {value!r}; see RecomputeUnit for valid names")
+    return parse_unit(value)
+
+
+_ParsedUnit = Annotated[RecomputeUnit, BeforeValidator(_unit_name)]
+
+
+class RecomputeChoice(BaseModel):
+    """Mode, preset and units: the part shared by the top level and each override.
+
+    ``mode`` is always concrete after validation; when not written it follows from the
+    preset, else from ``keep``/``recompute`` (selective), else it is ``'full'``.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    mode: Mode = "full"
+    preset: PresetName | None = None
+    keep: tuple[_ParsedUnit, ...] | None = None
+    recompute: tuple[_ParsedUnit, ...] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _infer_mode(cls, data: Any) -> Any:
+        if not isinstance(data, Mapping) or data.get("mode") is not None:
+            return data
+        preset = data.get("preset")
+        if isinstance(preset, str) and preset in PRESETS:
+            return {**data, "mode": PRESETS[preset].mode}
+        if data.get("keep") is not None or data.get("recompute") is not None:
+            return {**data, "mode": "selective"}
+        return data
+
+    @field_validator("keep", "recompute", mode="before")
+    @classmethod
+    def _require_unit_list(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            raise ConfigError(f"expected a list of unit names, got the string {value!r}; write [{value}]")
+        return value
+
+    @field_validator("keep", "recompute")
+    @classmethod
+    def _reject_duplicates(cls, units: tuple[RecomputeUnit, ...] | None) -> tuple[RecomputeUnit, ...] | None:
+        if units is not None:
+            repeated = sorted({u.value for u in units if units.count(u) > 1})
+            if repeated:
+                raise ConfigError(f"units listed more than once: {', '.join(repeated)}; list each unit once")
+        return units
+
+    @model_validator(mode="after")
+    def _check_consistency(self) -> RecomputeChoice:
+        listed = "keep" if self.keep is not None else "recompute" if self.recompute is not None else None
+        if self.keep is not None and self.recompute is not None:
+            raise ConfigError(
+                "keep and recompute are both given; give one: keep lists the units to keep, "
+                "recompute (Megatron style) lists the units to recompute and keeps the rest"
+            )
+        if self.preset is not None:
+            preset = PRESETS[self.preset]
+            if listed is not None:
+                raise ConfigError(
+                    f"preset {self.preset!r} and {listed} are both given; a preset fixes the units, "
+                    f"so remove {listed}, or remove the preset and use mode: selective with {listed}"
+                )
+            if self.mode != preset.mode:
+                raise ConfigError(
+                    f"mode {self.mode!r} disagrees with preset {self.preset!r}, whose mode is "
+                    f"{preset.mode!r}; remove mode or the preset"
+                )
+        elif self.mode != "selective" and listed is not None:
+            raise ConfigError(
+                f"{listed} is given with mode {self.mode!r}, where it would do nothing; "
+                f"use mode: selective or remove {listed}"
+            )
+        return self
+
+    def _implied_mode(self) -> Mode:
+        if self.preset is not None:
+            return PRESETS[self.preset].mode
+        if self.keep is not None or self.recompute is not None:
+            return "selective"
+        return "full"
+
+    def _choice_to_dict(self, mode_always: bool) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        states_choice = self.preset is not None or self.keep is not None or self.recompute is not None
+        if self.mode != self._implied_mode() or (mode_always and not states_choice):
+            out["mode"] = self.mode
+        if self.preset is not None:
+            out["preset"] = self.preset
+        if self.keep is not None:
+            out["keep"] = [u.value for u in self.keep]
+        if self.recompute is not None:
+            out["recompute"] = [u.value for u in self.recompute]
+        return out
+
+
+_CHOICE_FIELDS = ("mode", "preset", "keep", "recompute")
+
+
+class LayerOverride(RecomputeChoice):
+    """A recompute choice for the layers ``layers`` selects; later overrides win."""
+
+    layers: LayerSelector
+
+    @model_validator(mode="before")
+    @classmethod
+    def _require_a_choice(cls, data: Any) -> Any:
+        if isinstance(data, Mapping) and not any(data.get(name) is not None for name in _CHOICE_FIELDS):
+            raise ConfigError(
+                "this override sets none of mode, preset, keep, recompute, so it would do nothing; "
+                "add one of them or remove the override"
+            )
+        return data
+
+    @field_validator("layers")
+    @classmethod
+    def _reject_empty_selection(cls, layers: LayerSelector) -> LayerSelector:
+        if layers.selects_nothing:
+            raise ConfigError("an override with layers: none would do nothing; select layers or remove it")
+        return layers
+
+    def to_dict(self) -> dict[str, Any]:
+        """Minimal plain-data form; ``LayerOverride(**o.to_dict()) == o``."""
+        return {"layers": copy.deepcopy(self.layers.root), **self._choice_to_dict(mode_always=True)}
+
+
+class RecomputeConfig(RecomputeChoice):
+    """What to recompute, for which layers: the user's request, before it meets a model.
+
+    Load with ``from_dict``, ``from_yaml``, ``from_json``, ``from_file``, ``from_preset`` or
+    ``parse``; every loader raises ``ConfigError`` naming the bad field and the fix.
+    ``plan.resolve_plan`` turns a config and a model's layers into a per-layer plan.
+    """
+
+    layers: LayerSelector = LayerSelector("all")
+    overrides: tuple[LayerOverride, ...] = ()
+
+    @model_validator(mode="after")
+    def _reject_layers_without_effect(self) -> RecomputeConfig:
+        # Layers left unselected are not checkpointed either, so a selector does nothing here.
+        if self.mode == "none" and self.layers.root != "all":
+            raise ConfigError(
+                f"layers: {self.layers.root!r} is given with mode 'none', where it would do nothing "
+                "(unselected layers are not checkpointed either); remove layers, or use overrides "
+                "to checkpoint some layers"
+            )
+        return self
+
+    # -- constructors -------------------------------------------------------------------
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], source: str | None = None) -> RecomputeConfig:
+        """Validate plain data (as loaded from YAML/JSON); ``source`` names it in errors."""
+        return cls._validate(data, source, yaml_text=None)
+
+    @classmethod
+    def from_yaml(cls, text: str, source: str = "<string>") -> RecomputeConfig:
+        """Parse YAML text (safe loading only); errors name ``source`` and the line."""
+        try:
+            data = yaml.safe_load(text)
+        except yaml.MarkedYAMLError as err:
+            mark = err.problem_mark or err.context_mark
+            where = f"{source}, line {mark.line + 1}, column {mark.column + 1}" if mark else source
+            problem = " ".join(p for p in (err.context, err.problem) if p)
+            raise ConfigError(f"malformed YAML in {where}: {problem}; fix the syntax there") from None
+        except yaml.YAMLError as err:
+            raise ConfigError(f"malformed YAML in {source}: {err}; fix the syntax") from None
+        return cls._validate(data, source, yaml_text=text)
+
+    @classmethod
+    def from_json(cls, text: str, source: str = "<string>") -> RecomputeConfig:
+        """Parse JSON text; errors name ``source`` and the line."""
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ConfigError(
+                f"malformed JSON in {source}, line {err.lineno}, column {err.colno}: {err.msg}; "
+                "fix the syntax there"
+            ) from None
+        return cls._validate(data, source, yaml_text=None)
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> RecomputeConfig:
+        """Load a ``.yaml``/``.yml``/``.json`` file, chosen by suffix."""
+        path = Path(path)
+        kind = CONFIG_SUFFIXES.get(path.suffix.lower())
+        if kind is None:
+            raise ConfigError(
+                f"config file {str(path)!r} has unsupported suffix {path.suffix!r}; "
+                f"use one of {', '.join(CONFIG_SUFFIXES)}"
+            )
+        try:
+            text = path.read_text(encoding="utf-8")
+        except OSError as err:
+            raise ConfigError(
+                f"cannot read config file {str(path)!r}: {err.strerror}; check the path"
+            ) from None
+        if kind == "yaml":
+            return cls.from_yaml(text, source=str(path))
+        return cls.from_json(text, source=str(path))
+
+    @classmethod
+    def from_preset(cls, name: str) -> RecomputeConfig:
+        """The config that applies preset ``name`` to every layer."""
+        if name not in PRESETS:
+            raise ConfigError(f"unknown preset {name!r}; valid presets: {_valid_presets()}")
+        return cls(preset=name)
+
+    @classmethod
+    def parse(cls, value: RecomputeConfig | Mapping[str, Any] | str | Path) -> RecomputeConfig:
+        """Accept a config, a dict, a preset name, or the path of a config file.
+
+        A string that is a preset name is taken as the preset even if a file of that
+        name exists.
+        """
+        if isinstance(value, RecomputeConfig):
+            return value
+        if isinstance(value, Mapping):
+            return cls.from_dict(value)
+        if isinstance(value, Path):
+            return cls.from_file(value)
+        if isinstance(value, str):
+            if value in PRESETS:
+                return cls.from_preset(value)
+            if Path(value).is_file():
+                return cls.from_file(value)
+            raise ConfigError(
+                f"{value!r} is neither a preset name nor an existing config file; "
+                f"valid presets: {_valid_presets()}"
+            )
+        raise ConfigError(
+            f"cannot make a RecomputeConfig from {type(value).__name__}; pass a RecomputeConfig, "
+            "a dict, a preset name or a config file path"
+        )
+
+    @classmethod
+    def _validate(cls, data: Any, source: str | None, yaml_text: str | None) -> RecomputeConfig:
+        where = f" in {source}" if source else ""
+        if data is None:
+            raise ConfigError(f"recompute config{where} is empty; write at least `mode: full` or a preset")
+        if not isinstance(data, Mapping):
+            raise ConfigError(
+                f"recompute config{where} must be a mapping of fields ({', '.join(cls.model_fields)}), "
+                f"got {type(data).__name__}; for a preset alone write `preset: <name>`"
+            )
+        try:
+            return cls.model_validate(data)
+        except ValidationError as err:
+            raise ConfigError(format_validation_error(err, source, yaml_text)) from None
+
+    # -- serialisation ------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        """Minimal plain-data form: defaults left out, units as strings, selectors as written."""
+        out = self._choice_to_dict(mode_always=False)
+        if self.layers.root != "all":
+            out["layers"] = copy.deepcopy(self.layers.root)
+        if self.overrides:
+            out["overrides"] = [override.to_dict() for override in self.overrides]
+        return out
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2) + "\n"
+
+    def dump(self, path: str | Path) -> None:
+        """Write to a ``.yaml``/``.yml``/``.json`` file, chosen by suffix."""
+        path = Path(path)
+        kind = CONFIG_SUFFIXES.get(path.suffix.lower())
+        if kind is None:
+            raise ConfigError(
+                f"cannot dump to {str(path)!r}: unsupported suffix {path.suffix!r}; "
+                f"use one of {', '.join(CONFIG_SUFFIXES)}"
+            )
+        path.write_text(self.to_yaml() if kind == "yaml" else self.to_json(), encoding="utf-8")
+
+
+# ---------------------------------------------------------------------------------------
+# Error messages
+
+
+def format_field_path(loc: tuple[int | str, ...]) -> str:
+    """``('overrides', 1, 'keep', 0)`` -> ``'overrides[1].keep[0]'``."""
+    path = ""
+    for part in loc:
+        path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
+    return path
+
+
+def _model_at(loc: tuple[int | str, ...]) -> type[BaseModel]:
+    return LayerOverride if loc and loc[0] == "overrides" else RecomputeConfig
+
+
+def _describe_error(error: Mapping[str, Any]) -> str:
+    kind = error["type"]
+    loc = tuple(error["loc"])
+    if kind == "value_error":
+        return str(error["ctx"]["error"])
+    if kind == "extra_forbidden":
+        valid = ", ".join(_model_at(loc).model_fields)
+        return f"unknown field {loc[-1]!r}; valid fields here: {valid}"
+    if kind == "missing":
+        return f"required field {loc[-1]!r} is missing; add it"
+    message = error["msg"]
+    return f"{message[0].lower()}{message[1:]}, got {error['input']!r}"
+
+
+def _yaml_line(text: str, loc: tuple[int | str, ...]) -> int | None:
+    """1-based line of the deepest YAML node on ``loc``; None if the text does not compose."""
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError:
+        return None
+    if node is None:
+        return None
+    for part in loc:
+        child = None
+        if isinstance(node, yaml.MappingNode):
+            # The last duplicate key wins when loading, so point at that one.
+            child = next((value for key, value in reversed(node.value) if key.value == part), None)
+        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(node.value):
+            child = node.value[part]
+        if child is None:
+            break
+        node = child
+    return node.start_mark.line + 1
+
+
+def format_validation_error(
+    err: ValidationError, source: str | None = None, yaml_text: str | None = None
+) -> str:
+    """Turn pydantic's report into one readable line per problem, with field paths and lines."""
+    problems = []
+    for error in err.errors():
+        loc = tuple(error["loc"])
+        field = format_field_path(loc) or "(top level)"
+        line = _yaml_line(yaml_text, loc) if yaml_text is not None else None
+        at = f" (line {line})" if line is not None else ""
+        problems.append(f"  {field}{at}: {_describe_error(error)}")
+    where = f" in {source}" if source else ""
+    return f"invalid recompute config{where}:\n" + "\n".join(problems)

@@ -1,0 +1,191 @@
+"""Resolve a ``RecomputeConfig`` against a model's checkpointable layers into a per-layer plan.
+
+Pure: the torch side reports each layer as a ``LayerSpec``; this module decides, layer by
+layer, the mode and the kept units and intervals, and says where each choice came from.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from actplan.config import PRESETS, ConfigError, LayerOverride, Mode, RecomputeChoice, RecomputeConfig
+from actplan.units import MarkerInterval, RecomputeIntervalMap, RecomputeUnit
+
+NOT_SELECTED = "not selected"
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """What the torch side reports for one checkpointable layer, in model order."""
+
+    index: int
+    name: str  # module path, e.g. "layers.3"
+    class_name: str  # e.g. "DecoderLayer"
+    interval_map: RecomputeIntervalMap
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """The resolved choice for one layer.
+
+    ``kept_units`` follows the layer's declaration order and is empty unless the mode is
+    selective; ``source`` says which part of the config decided it.
+    """
+
+    index: int
+    name: str
+    class_name: str
+    mode: Mode
+    kept_units: tuple[RecomputeUnit, ...]
+    kept_intervals: frozenset[MarkerInterval]
+    source: str
+
+    @property
+    def checkpointed(self) -> bool:
+        return self.mode != "none"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Every checkpointable layer's resolved choice, and the config it came from."""
+
+    layers: tuple[LayerPlan, ...]
+    config: RecomputeConfig
+
+    @property
+    def checkpointed(self) -> tuple[LayerPlan, ...]:
+        """The layers that get a checkpoint wrapper (mode full or selective)."""
+        return tuple(layer for layer in self.layers if layer.checkpointed)
+
+    def summary(self) -> str:
+        """A few lines: layers grouped by identical mode and kept units."""
+        groups: dict[tuple[str, tuple[RecomputeUnit, ...]], list[int]] = {}
+        for layer in self.layers:
+            groups.setdefault((layer.mode, layer.kept_units), []).append(layer.index)
+        lines = [f"plan for {len(self.layers)} layers ({len(self.checkpointed)} checkpointed):"]
+        for (mode, kept_units), indices in groups.items():
+            what = mode
+            if mode == "selective":
+                what += ", keep " + (", ".join(u.value for u in kept_units) if kept_units else "nothing")
+            lines.append(f"  layers {format_indices(indices)}: {what}")
+        return "\n".join(lines)
+
+    def to_rows(self) -> list[dict[str, Any]]:
+        """One dict of plain values per layer, for a table."""
+        return [
+            {
+                "index": layer.index,
+                "name": layer.name,
+                "class_name": layer.class_name,
+                "mode": layer.mode,
+                "kept_units": ", ".join(u.value for u in layer.kept_units),
+                "kept_intervals": len(layer.kept_intervals),
+                "source": layer.source,
+            }
+            for layer in self.layers
+        ]
+
+
+def format_indices(indices: Sequence[int]) -> str:
+    """``[0, 1, 2, 5, 7, 8]`` -> ``'0-2,5,7-8'`` (the layer selector string form)."""
+    ordered = sorted(set(indices))
+    pieces: list[str] = []
+    start = 0
+    for position in range(1, len(ordered) + 1):
+        if position == len(ordered) or ordered[position] != ordered[position - 1] + 1:
+            first, last = ordered[start], ordered[position - 1]
+            pieces.append(str(first) if first == last else f"{first}-{last}")
+            start = position
+    return ",".join(pieces)
+
+
+def resolve_plan(config: RecomputeConfig, layer_specs: Sequence[LayerSpec]) -> Plan:
+    """Decide each layer's mode and kept units from ``config``.
+
+    The top level applies to the layers its ``layers`` selects; each override then
+    replaces the choice for the layers it selects, later overrides winning. Layers no
+    entry selects are not checkpointed. Raises ``ConfigError`` for a model with no
+    checkpointable layers, an out-of-range selector, or an explicitly listed unit that a
+    layer it applies to does not declare.
+    """
+    specs = tuple(layer_specs)
+    if not specs:
+        raise ConfigError(
+            "the model declares no checkpointable layers; set a `recompute_intervals` class "
+            "attribute (a RecomputeIntervalMap) on its layer classes"
+        )
+    for position, spec in enumerate(specs):
+        if spec.index != position:
+            raise ConfigError(
+                f"layer spec {spec.name!r} has index {spec.index} at position {position}; "
+                "report layers in model order with indices 0, 1, 2, ..."
+            )
+
+    # Each layer's deciding entry: (choice, field prefix for errors, label for `source`).
+    deciding: list[tuple[RecomputeChoice, str, str] | None] = [None] * len(specs)
+    for index in _resolve_selector(config, "layers", len(specs)):
+        deciding[index] = (config, "", "top level")
+    for position, override in enumerate(config.overrides):
+        where = f"overrides[{position}]"
+        for index in _resolve_selector(override, f"{where}.layers", len(specs)):
+            deciding[index] = (override, f"{where}.", where)
+
+    layers = tuple(_plan_layer(spec, deciding[spec.index]) for spec in specs)
+    return Plan(layers=layers, config=config)
+
+
+def _resolve_selector(entry: RecomputeConfig | LayerOverride, field: str, num_layers: int) -> tuple[int, ...]:
+    try:
+        return entry.layers.resolve(num_layers)
+    except ConfigError as err:
+        raise ConfigError(f"{field}: {err}") from None
+
+
+def _plan_layer(spec: LayerSpec, decided_by: tuple[RecomputeChoice, str, str] | None) -> LayerPlan:
+    if decided_by is None:
+        return LayerPlan(spec.index, spec.name, spec.class_name, "none", (), frozenset(), NOT_SELECTED)
+    choice, field_prefix, label = decided_by
+    source = f"{label}, preset {choice.preset}" if choice.preset is not None else label
+    kept_units = _kept_units(choice, field_prefix, spec) if choice.mode == "selective" else ()
+    return LayerPlan(
+        index=spec.index,
+        name=spec.name,
+        class_name=spec.class_name,
+        mode=choice.mode,
+        kept_units=kept_units,
+        kept_intervals=spec.interval_map.intervals_of(kept_units),
+        source=source,
+    )
+
+
+def _kept_units(choice: RecomputeChoice, field_prefix: str, spec: LayerSpec) -> tuple[RecomputeUnit, ...]:
+    declared = spec.interval_map.units
+    if choice.preset is not None:
+        # A preset names a category; units this layer lacks are simply not there to keep.
+        preset = PRESETS[choice.preset]
+        if preset.kept_units is not None:
+            return tuple(u for u in declared if u in preset.kept_units)
+        recomputed = preset.recomputed_units or ()
+        return tuple(u for u in declared if u not in recomputed)
+    if choice.recompute is not None:
+        _require_declared(choice.recompute, f"{field_prefix}recompute", spec)
+        return tuple(u for u in declared if u not in choice.recompute)
+    if choice.keep is not None:
+        _require_declared(choice.keep, f"{field_prefix}keep", spec)
+        return tuple(u for u in declared if u in choice.keep)
+    return ()
+
+
+def _require_declared(units: tuple[RecomputeUnit, ...], field: str, spec: LayerSpec) -> None:
+    missing = [u.value for u in units if u not in spec.interval_map]
+    if missing:
+        plural = "s" if len(missing) > 1 else ""
+        declared = ", ".join(u.value for u in spec.interval_map.units)
+        raise ConfigError(
+            f"{field} lists unit{plural} {', '.join(missing)}, which layer {spec.name!r} "
+            f"({spec.class_name}) does not declare; it declares: {declared}. A unit the layer "
+            "does not have is an error, not a no-op: remove it, or narrow the layers this "
+            "entry selects to layers that declare it"
+        )

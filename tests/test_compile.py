@@ -1,0 +1,49 @@
+"""Markers and the interval policy inside a layer compiled with fullgraph=True."""
+
+import copy
+
+import pytest
+import torch
+
+import actplan
+from actplan.apply import find_layers
+from actplan.models import build_model
+from actplan.policy import _Region
+
+pytestmark = [pytest.mark.compile, pytest.mark.slow]
+
+
+def test_policy_sees_markers_in_order_in_a_fullgraph_compiled_layer(monkeypatch):
+    torch._dynamo.reset()
+    seen = []
+    original = _Region._on_marker
+
+    def spy(self, marker):
+        seen.append(marker)
+        return original(self, marker)
+
+    monkeypatch.setattr(_Region, "_on_marker", spy)
+    bundle = build_model("dense", "tiny", n_layers=1)
+    batch = bundle.make_batch(0)
+    eager = copy.deepcopy(bundle.model)
+    compiled = copy.deepcopy(bundle.model)
+    actplan.apply(eager, "matmuls")
+    actplan.apply(compiled, "matmuls")
+    for _, layer in find_layers(compiled):
+        layer.compile(fullgraph=True, backend="aot_eager")
+
+    eager_loss = eager(**batch)["loss"]
+    eager_loss.backward()
+    seen.clear()
+    loss = compiled(**batch)["loss"]
+    loss.backward()
+
+    order = [m for m in seen if m != "actplan.layer_end"]
+    expected = ["attn_norm", "qkv_proj", "qk_norm", "rope", "attn_core", "attn_proj", "attn_residual",
+                "mlp_norm", "mlp_up", "mlp_act", "mlp_down", "mlp_residual"]
+    assert order[: len(expected)] == expected
+    assert "actplan.layer_end" in seen
+    torch.testing.assert_close(loss, eager_loss, rtol=1e-6, atol=1e-6)
+    pairs = zip(eager.named_parameters(), compiled.named_parameters(), strict=True)
+    for (name, p_eager), (_, p_comp) in pairs:
+        torch.testing.assert_close(p_comp.grad, p_eager.grad, rtol=1e-5, atol=1e-6, msg=name)

@@ -1,0 +1,194 @@
+"""The interval policy: which ops are saved, and marker errors."""
+
+import warnings
+from collections import Counter
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext
+
+from actplan import policy as policy_module
+from actplan.boundary import apply_gradient_checkpointing
+from actplan.markers import MARKER_OP, checkpoint_record
+from actplan.policy import IntervalPolicy, MarkerError, _Region
+from actplan.units import MarkerInterval, RecomputeIntervalMap
+
+IMAP = RecomputeIntervalMap(
+    {
+        "qkv_proj": MarkerInterval("proj", "act"),
+        "mlp_act": MarkerInterval("act", "end"),
+    }
+)
+
+
+class OpCounter(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.counts = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[func] += 1
+        return func(*args, **(kwargs or {}))
+
+
+class Toy(nn.Module):
+    recompute_intervals = IMAP
+
+    def __init__(self, markers=("proj", "act", "end")):
+        super().__init__()
+        self.lin = nn.Linear(8, 8, bias=False)
+        self.markers = markers
+
+    def forward(self, x):
+        m = iter(self.markers)
+        checkpoint_record(next(m, "proj"))
+        h = self.lin(x)
+        checkpoint_record(next(m, "act"))
+        h = torch.tanh(h)
+        checkpoint_record(next(m, "end"))
+        return h.sum()
+
+
+def run_toy(keep, markers=("proj", "act", "end")):
+    torch.manual_seed(0)
+    toy = Toy(markers)
+    pol = IntervalPolicy(IMAP, IMAP.intervals_of(keep), layer_name="layers.0 (Toy)")
+    apply_gradient_checkpointing(toy, context_fn=pol.context_fn)
+    x = torch.randn(4, 8, requires_grad=True)
+    with OpCounter() as counter:
+        toy(x).backward()
+    return counter.counts
+
+
+def test_kept_interval_ops_run_once_and_others_replay():
+    aten = torch.ops.aten
+    none_kept = run_toy([])
+    assert none_kept[aten.mm.default] == 4  # forward, replay, grads of weight and input
+    kept = run_toy(["qkv_proj"])
+    assert kept[aten.mm.default] == none_kept[aten.mm.default] - 1
+    # tanh output is what backward needs: replayed unless mlp_act is kept.
+    assert run_toy(["qkv_proj"])[aten.tanh.default] == 2
+    assert run_toy(["qkv_proj", "mlp_act"])[aten.tanh.default] == 1
+
+
+@pytest.mark.parametrize(
+    "markers,match",
+    [
+        (("proj", "bogus", "end"), "unknown marker 'bogus'"),
+        (("proj", "act", "act"), "unbalanced marker 'act': it ends interval \\[proj, act\\).*expected "
+         "marker 'proj' before it"),
+        (("proj", "end", "end"), "unbalanced marker 'end'.*expected marker 'act'"),
+        (("proj", "proj", "act"), "starts interval \\[proj, act\\) of unit 'qkv_proj' again"),
+        (("proj", "act", "proj"), "\\[proj, act\\) of unit 'qkv_proj' is still open when the forward "
+         "returns; expected marker 'act'"),
+    ],
+)
+def test_marker_errors_name_layer_marker_and_expectation(markers, match):
+    with pytest.raises(MarkerError, match=match) as err:
+        run_toy(["qkv_proj"], markers)
+    assert "layers.0 (Toy)" in str(err.value)
+
+
+def test_wrongly_nested_markers():
+    imap = RecomputeIntervalMap(
+        {"attn_core": MarkerInterval("a", "c"), "attn_proj": MarkerInterval("b", "d")}
+    )
+    region = _Region(IntervalPolicy(imap, [], layer_name="L"))
+    ctx = SelectiveCheckpointContext(is_recompute=False)
+    region.decide(ctx, MARKER_OP, "a")
+    region.decide(ctx, MARKER_OP, "b")
+    with pytest.raises(MarkerError, match=r"wrongly nested marker 'c'.*expected marker 'd' first"):
+        region.decide(ctx, MARKER_OP, "c")
+
+
+def test_properly_nested_and_shared_markers_are_accepted():
+    imap = RecomputeIntervalMap(
+        {
+            "moe_experts": MarkerInterval("a", "z"),
+            "moe_act": MarkerInterval("a", "m"),
+            "moe_combine": MarkerInterval("m", "z"),
+        }
+    )
+    pol = IntervalPolicy(imap, imap.intervals_of(["moe_experts"]), layer_name="L")
+    region = _Region(pol)
+    ctx = SelectiveCheckpointContext(is_recompute=False)
+    for marker in ("a", "m", "z"):
+        region.decide(ctx, MARKER_OP, marker)
+        assert region.decide(ctx, torch.ops.aten.mm.default) is (
+            CheckpointPolicy.MUST_SAVE if marker != "z" else CheckpointPolicy.PREFER_RECOMPUTE
+        )
+
+
+def test_empty_kept_interval_warns_once():
+    imap = RecomputeIntervalMap({"rope": MarkerInterval("a", "b"), "attn_core": MarkerInterval("b", "c")})
+    pol = IntervalPolicy(imap, imap.intervals_of(["rope"]), layer_name="layers.2 (X)")
+    ctx = SelectiveCheckpointContext(is_recompute=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        region = _Region(pol)
+        for marker in ("a", "b"):
+            region.decide(ctx, MARKER_OP, marker)
+            region.decide(ctx, torch.ops.aten.add.Tensor)
+        region.decide(ctx, MARKER_OP, "c")
+        assert not caught
+        for _ in range(3):
+            region = _Region(pol)
+            region.decide(ctx, MARKER_OP, "a")
+            region.decide(ctx, MARKER_OP, "b")
+    assert len(caught) == 1
+    assert "layers.2 (X)" in str(caught[0].message) and "'rope' ran no op" in str(caught[0].message)
+
+
+def test_routing_collective_and_device_to_host_ops_are_always_saved():
+    region = _Region(IntervalPolicy(IMAP, [], layer_name="L"))
+    ctx = SelectiveCheckpointContext(is_recompute=False)
+    aten = torch.ops.aten
+    saved = CheckpointPolicy.MUST_SAVE
+    assert region.decide(ctx, aten.topk.default) is saved
+    assert region.decide(ctx, aten.sort.default) is saved
+    assert region.decide(ctx, aten._local_scalar_dense.default) is saved
+    assert region.decide(ctx, torch.ops._c10d_functional.all_to_all_single.default) is saved
+    assert region.decide(ctx, torch.ops._c10d_functional.wait_tensor.default) is saved
+    assert region.decide(ctx, aten.mm.default) is CheckpointPolicy.PREFER_RECOMPUTE
+    fake_gpu = torch.empty(2, device="meta")
+    assert region.decide(ctx, aten._to_copy.default, fake_gpu, device=torch.device("cpu")) is saved
+    cpu = torch.empty(2)
+    assert region.decide(ctx, aten._to_copy.default, cpu, dtype=torch.float16) is not saved
+    opted_out = _Region(IntervalPolicy(IMAP, [], layer_name="L", save_collectives=False))
+    assert opted_out.decide(ctx, aten.topk.default) is CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def test_random_ops_replay_even_when_kept():
+    region = _Region(IntervalPolicy(IMAP, IMAP.intervals_of(["qkv_proj"]), layer_name="L"))
+    ctx = SelectiveCheckpointContext(is_recompute=False)
+    aten = torch.ops.aten
+    region.decide(ctx, MARKER_OP, "proj")
+    assert region.decide(ctx, aten.native_dropout.default, torch.empty(1), 0.1, True) is (
+        CheckpointPolicy.PREFER_RECOMPUTE
+    )
+    sdpa = aten._scaled_dot_product_flash_attention_for_cpu.default
+    q = torch.empty(1)
+    assert region.decide(ctx, sdpa, q, q, q, 0.0) is CheckpointPolicy.MUST_SAVE
+    assert region.decide(ctx, sdpa, q, q, q, dropout_p=0.2) is CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def test_recompute_calls_replay_forward_decisions(monkeypatch):
+    # torch < 2.13 asks the policy again during recompute; answers must match.
+    monkeypatch.setattr(policy_module, "_POLICY_CALLED_ON_RECOMPUTE", True)
+    region = _Region(IntervalPolicy(IMAP, IMAP.intervals_of(["qkv_proj"]), layer_name="L"))
+    fwd = SelectiveCheckpointContext(is_recompute=False)
+    aten = torch.ops.aten
+    sequence = [(MARKER_OP, ("proj",)), (aten.mm.default, ()), (MARKER_OP, ("act",)),
+                (aten.mm.default, ()), (aten.tanh.default, ())]
+    forward = [region.decide(fwd, op, *args) for op, args in sequence]
+    rec = SelectiveCheckpointContext(is_recompute=True)
+    replay = [region.decide(rec, op, *args) for op, args in sequence]
+    assert replay == forward
+    assert forward[1] is CheckpointPolicy.MUST_SAVE and forward[3] is CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def test_kept_intervals_must_be_declared():
+    with pytest.raises(ValueError, match="not declared"):
+        IntervalPolicy(IMAP, [MarkerInterval("x", "y")], layer_name="L")

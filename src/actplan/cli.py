@@ -65,9 +65,9 @@ def bench_table(result: BenchResult) -> Table:
     table = Table(title=f"actplan bench — {result.model} — {result.device}, torch {result.torch_version}",
                   caption=f"analytic activation floor {mib(result.floor_bytes)} MiB; "
                   f"{result.warmup} warm-up + {result.repeats} interleaved rounds")
-    for column in ("policy", "loss identical", "max |Δgrad|", "grad census", "act. @ fwd end MiB",
-                   "vs none", "peak MiB", "floor MiB", "step s (median)", "ratio to none"):
-        table.add_column(column, justify="left" if column == "policy" else "right")
+    for column in ("policy", "loss identical", "max |Δgrad|", "grad census", "activations MiB",
+                   "vs none", "peak MiB", "floor MiB", "step s", "time vs none"):
+        table.add_column(column, justify="left" if column == "policy" else "right", no_wrap=True)
     none = result.row("none")
     for r in result.rows:
         table.add_row(
@@ -134,6 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     console = Console()
+    if not console.is_terminal:
+        # Logs and CI captures have no width; don't squeeze the table to 80 columns.
+        console = Console(width=160)
     try:
         return args.run(args, console)
     except (ConfigError, ValueError) as err:

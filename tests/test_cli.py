@@ -1,0 +1,64 @@
+"""The command line: bench on the tiny model, explain, and error exits."""
+
+import json
+
+import pytest
+
+from actplan.bench import TORCH_CHECKPOINT, run_bench, to_markdown
+from actplan.cli import main
+
+
+@pytest.mark.slow
+def test_bench_tiny_writes_json_and_markdown(tmp_path, capsys):
+    out_json, out_md = tmp_path / "r.json", tmp_path / "r.md"
+    code = main(["bench", "--size", "tiny", "--repeats", "2", "--warmup", "1", "--quiet",
+                 "--json", str(out_json), "--markdown", str(out_md)])
+    assert code == 0
+    printed = capsys.readouterr().out
+    for policy in ("none", "full", "attn", "matmuls", "megatron-selective", TORCH_CHECKPOINT):
+        assert policy in printed
+    result = json.loads(out_json.read_text())
+    rows = {r["name"]: r for r in result["rows"]}
+    assert set(rows) == {"none", "full", "attn", "matmuls", "megatron-selective", TORCH_CHECKPOINT}
+    for row in rows.values():
+        assert row["loss_identical"] and row["census_match"] and row["max_abs_grad_diff"] == 0
+    act = {name: row["activation_bytes"] for name, row in rows.items()}
+    assert act["full"] < act["matmuls"] < act["none"]
+    assert rows["none"]["ratio_to_none"] == 1.0
+    assert result["marker_cost_ns"]["outside_region"] > 0
+    assert "| matmuls | yes |" in out_md.read_text()
+
+
+def test_bench_accepts_config_files(tmp_path):
+    plan = tmp_path / "qkv.yaml"
+    plan.write_text("mode: selective\nkeep: [qkv_proj, attn_core]\nlayers: '0'\n")
+    result = run_bench("dense", "tiny", ("none",), (plan,), repeats=1, warmup=0, reference=False)
+    assert [r.name for r in result.rows] == ["none", "qkv"]
+    assert result.row("qkv").parity_ok
+    assert "qkv" in to_markdown(result)
+
+
+def test_explain_prints_the_plan(capsys):
+    assert main(["explain", "--model", "dense", "--size", "tiny", "--config", "matmuls"]) == 0
+    out = capsys.readouterr().out
+    assert "layers.0" in out and "layers.1" in out
+    assert "qkv_proj, attn_core, attn_proj, mlp_up" in out
+
+
+def test_explain_reports_config_errors(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("mode: selective\nkeep: [attn_core, moe_router]\n")
+    assert main(["explain", "--size", "tiny", "--config", str(bad)]) == 2
+    out = capsys.readouterr().out
+    assert "moe_router" in out and "declares" in out
+
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("mode: selective\nkeep: [attn_core\n")
+    assert main(["explain", "--size", "tiny", "--config", str(broken)]) == 2
+    out = capsys.readouterr().out
+    assert "broken.yaml" in out and "line" in out
+
+
+def test_unknown_preset_is_an_error(capsys):
+    assert main(["explain", "--size", "tiny", "--config", "matmul"]) == 2
+    assert "matmul" in capsys.readouterr().out

@@ -181,3 +181,17 @@ def test_apply_keeps_state_dict_and_remove_restores():
     assert all("forward" not in m.__dict__ for m in model.modules())
     for key, value in model.state_dict().items():
         assert torch.equal(value, before[key])
+
+
+def test_kept_unit_costs_exactly_its_outputs():
+    # Views are replayed, not cached: caching the projection's input reshape would
+    # pin the norm output as well (one more hidden-size tensor per layer).
+    bundle = build_model("dense", "tiny", n_layers=2)
+    config = bundle.model.config
+    tokens = config.batch_size * config.seq_len
+    full = activation_bytes(bundle, "full")
+    mlp_up = activation_bytes(bundle, {"mode": "selective", "keep": ["mlp_up"]})
+    assert mlp_up - full == config.n_layers * 2 * tokens * config.ffn_dim * 4
+    attn = activation_bytes(bundle, "attn")
+    out_and_lse = tokens * config.dim * 4 + tokens * config.n_heads * 4
+    assert attn - full == config.n_layers * out_and_lse

@@ -160,11 +160,14 @@ def test_routing_collective_and_device_to_host_ops_are_always_saved():
     assert opted_out.decide(ctx, aten.topk.default) is CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def test_random_ops_replay_even_when_kept():
+def test_random_and_view_ops_replay_even_when_kept():
     region = _Region(IntervalPolicy(IMAP, IMAP.intervals_of(["qkv_proj"]), layer_name="L"))
     ctx = SelectiveCheckpointContext(is_recompute=False)
     aten = torch.ops.aten
     region.decide(ctx, MARKER_OP, "proj")
+    for view_op in (aten.view.default, aten.transpose.int, aten.t.default, aten._unsafe_view.default):
+        assert region.decide(ctx, view_op) is CheckpointPolicy.PREFER_RECOMPUTE
+    assert region.decide(ctx, aten.mm.default) is CheckpointPolicy.MUST_SAVE
     assert region.decide(ctx, aten.native_dropout.default, torch.empty(1), 0.1, True) is (
         CheckpointPolicy.PREFER_RECOMPUTE
     )

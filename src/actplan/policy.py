@@ -7,6 +7,8 @@ whether its output is saved or recomputed:
 * an op that runs while a kept interval is open is saved (``MUST_SAVE``);
 * collective outputs and routing ops (top-k, sort, counts, device-to-host
   copies) are always saved, so recompute never re-communicates or re-routes;
+* view ops are always replayed: they cost nothing, and a cached view would pin
+  its base tensor (say the norm output a projection reshapes) for no gain;
 * random ops (dropout, ``rand``...) are always replayed, even inside a kept
   interval: a cached random op would not advance the generator during
   recompute, and every random op after it would draw different numbers;
@@ -65,6 +67,12 @@ def _always_saved(func) -> bool:
     """Collectives and routing ops: their outputs are never recomputed."""
     namespace = getattr(func, "namespace", None)
     return func in _ROUTING_OPS or namespace in _COLLECTIVE_NAMESPACES
+
+
+@functools.cache
+def _is_view(func) -> bool:
+    # _unsafe_view aliases its input but its schema does not say so.
+    return bool(getattr(func, "is_view", False)) or func is torch.ops.aten._unsafe_view.default
 
 
 @functools.cache
@@ -192,7 +200,7 @@ class _Region:
             decision = _RECOMPUTE
         else:
             self.op_count += 1
-            if _draws_random(func, args, kwargs):
+            if _is_view(func) or _draws_random(func, args, kwargs):
                 decision = _RECOMPUTE
             elif self.kept_open or (self.policy.save_collectives and (
                 _always_saved(func) or (func is _TO_COPY and _is_device_to_host(args, kwargs))

@@ -46,8 +46,11 @@ class PyTreeLayer(nn.Module):
 def make_inputs():
     gen = torch.Generator().manual_seed(3)
     mbs = [
-        {"x": torch.randn(3, 6, generator=gen, requires_grad=True), "y": torch.randn(3, 6, generator=gen),
-         "id": i}
+        {
+            "x": torch.randn(3, 6, generator=gen, requires_grad=True),
+            "y": torch.randn(3, 6, generator=gen),
+            "id": i,
+        }
         for i in range(3)
     ]
     bias = torch.randn(6, generator=gen, requires_grad=True)

@@ -11,8 +11,24 @@ from actplan.cli import main
 @pytest.mark.slow
 def test_bench_tiny_writes_json_and_markdown(tmp_path, capsys):
     out_json, out_md = tmp_path / "r.json", tmp_path / "r.md"
-    code = main(["bench", "--size", "tiny", "--repeats", "2", "--warmup", "1", "--quiet",
-                 "--json", str(out_json), "--markdown", str(out_md)])
+    code = main(
+        [
+            "bench",
+            "--size",
+            "tiny",
+            "--repeats",
+            "2",
+            "--warmup",
+            "1",
+            "--overhead-repeats",
+            "2",
+            "--quiet",
+            "--json",
+            str(out_json),
+            "--markdown",
+            str(out_md),
+        ]
+    )
     assert code == 0
     printed = capsys.readouterr().out
     for policy in ("none", "full", "attn", "matmuls", "megatron-selective", TORCH_CHECKPOINT):
@@ -26,6 +42,7 @@ def test_bench_tiny_writes_json_and_markdown(tmp_path, capsys):
     assert act["full"] < act["matmuls"] < act["none"]
     assert rows["none"]["ratio_to_none"] == 1.0
     assert result["marker_cost_ns"]["outside_region"] > 0
+    assert result["overhead_vs_torch_checkpoint"]["pairs"] == 4
     assert "| matmuls | yes |" in out_md.read_text()
 
 
@@ -57,6 +74,16 @@ def test_explain_reports_config_errors(tmp_path, capsys):
     assert main(["explain", "--size", "tiny", "--config", str(broken)]) == 2
     out = capsys.readouterr().out
     assert "broken.yaml" in out and "line" in out
+
+
+def test_unknown_unit_lists_valid_and_declared_units(tmp_path, capsys):
+    bad = tmp_path / "typo.json"
+    bad.write_text('{"mode": "selective", "keep": ["attn_cor"]}')
+    assert main(["explain", "--size", "tiny", "--config", str(bad)]) == 2
+    out = capsys.readouterr().out
+    assert "typo.json" in out and "'attn_cor'" in out
+    assert "valid units: attn_norm" in out and "sparse_indexer" in out
+    assert "units this model declares: attn_norm, qkv_proj" in out
 
 
 def test_unknown_preset_is_an_error(capsys):

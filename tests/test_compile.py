@@ -39,8 +39,20 @@ def test_policy_sees_markers_in_order_in_a_fullgraph_compiled_layer(monkeypatch)
     loss.backward()
 
     order = [m for m in seen if m != "actplan.layer_end"]
-    expected = ["attn_norm", "qkv_proj", "qk_norm", "rope", "attn_core", "attn_proj", "attn_residual",
-                "mlp_norm", "mlp_up", "mlp_act", "mlp_down", "mlp_residual"]
+    expected = [
+        "attn_norm",
+        "qkv_proj",
+        "qk_norm",
+        "rope",
+        "attn_core",
+        "attn_proj",
+        "attn_residual",
+        "mlp_norm",
+        "mlp_up",
+        "mlp_act",
+        "mlp_down",
+        "mlp_residual",
+    ]
     assert order[: len(expected)] == expected
     assert "actplan.layer_end" in seen
     torch.testing.assert_close(loss, eager_loss, rtol=1e-6, atol=1e-6)

@@ -83,9 +83,7 @@ def test_all_units_kept_is_exact(bundle, baseline):
     ),
     use_recompute=st.booleans(),
 )
-def test_random_unit_subsets_and_layer_selectors_are_exact(
-    bundle, baseline, keep, layers, use_recompute
-):
+def test_random_unit_subsets_and_layer_selectors_are_exact(bundle, baseline, keep, layers, use_recompute):
     if use_recompute:
         config = {"mode": "selective", "recompute": keep, "layers": layers}
     else:

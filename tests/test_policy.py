@@ -77,12 +77,17 @@ def test_kept_interval_ops_run_once_and_others_replay():
     "markers,match",
     [
         (("proj", "bogus", "end"), "unknown marker 'bogus'"),
-        (("proj", "act", "act"), "unbalanced marker 'act': it ends interval \\[proj, act\\).*expected "
-         "marker 'proj' before it"),
+        (
+            ("proj", "act", "act"),
+            "unbalanced marker 'act': it ends interval \\[proj, act\\).*expected marker 'proj' before it",
+        ),
         (("proj", "end", "end"), "unbalanced marker 'end'.*expected marker 'act'"),
         (("proj", "proj", "act"), "starts interval \\[proj, act\\) of unit 'qkv_proj' again"),
-        (("proj", "act", "proj"), "\\[proj, act\\) of unit 'qkv_proj' is still open when the forward "
-         "returns; expected marker 'act'"),
+        (
+            ("proj", "act", "proj"),
+            "\\[proj, act\\) of unit 'qkv_proj' is still open when the forward "
+            "returns; expected marker 'act'",
+        ),
     ],
 )
 def test_marker_errors_name_layer_marker_and_expectation(markers, match):
@@ -183,8 +188,13 @@ def test_recompute_calls_replay_forward_decisions(monkeypatch):
     region = _Region(IntervalPolicy(IMAP, IMAP.intervals_of(["qkv_proj"]), layer_name="L"))
     fwd = SelectiveCheckpointContext(is_recompute=False)
     aten = torch.ops.aten
-    sequence = [(MARKER_OP, ("proj",)), (aten.mm.default, ()), (MARKER_OP, ("act",)),
-                (aten.mm.default, ()), (aten.tanh.default, ())]
+    sequence = [
+        (MARKER_OP, ("proj",)),
+        (aten.mm.default, ()),
+        (MARKER_OP, ("act",)),
+        (aten.mm.default, ()),
+        (aten.tanh.default, ()),
+    ]
     forward = [region.decide(fwd, op, *args) for op, args in sequence]
     rec = SelectiveCheckpointContext(is_recompute=True)
     replay = [region.decide(rec, op, *args) for op, args in sequence]

@@ -17,7 +17,7 @@ from actplan.boundary import (
     checkpoint_state,
     remove_gradient_checkpointing,
 )
-from actplan.config import RecomputeConfig
+from actplan.config import ConfigError, RecomputeConfig
 from actplan.plan import LayerSpec, Plan, resolve_plan
 from actplan.policy import IntervalPolicy
 from actplan.units import RecomputeIntervalMap
@@ -54,7 +54,15 @@ def layer_specs(model: nn.Module) -> list[LayerSpec]:
 
 def plan_for(model: nn.Module, config: RecomputeConfig | dict | str | Path) -> Plan:
     """Resolve ``config`` against ``model``'s layers without touching the model."""
-    return resolve_plan(RecomputeConfig.parse(config), layer_specs(model))
+    specs = layer_specs(model)
+    try:
+        parsed = RecomputeConfig.parse(config)
+    except ConfigError as err:
+        if "unknown recompute unit" not in str(err):
+            raise
+        declared = {u.value: None for spec in specs for u in spec.interval_map.units}
+        raise ConfigError(f"{err}\nunits this model declares: {', '.join(declared) or 'none'}") from None
+    return resolve_plan(parsed, specs)
 
 
 def apply(model: nn.Module, config: RecomputeConfig | dict[str, Any] | str | Path) -> Plan:

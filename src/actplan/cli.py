@@ -41,6 +41,7 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
             tuple(args.config),
             repeats=args.repeats,
             warmup=args.warmup,
+            overhead_repeats=args.overhead_repeats,
             device=args.device,
             reference=not args.no_reference,
             progress=tick,
@@ -49,8 +50,10 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
     console.print(bench_table(result))
     for goal in result.goals:
         style = "green" if goal["met"] else "red"
-        console.print(f"[{style}]{'met' if goal['met'] else 'NOT met'}[/]: {goal['goal']} "
-                      f"(measured {goal['value']:.3f})")
+        console.print(
+            f"[{style}]{'met' if goal['met'] else 'NOT met'}[/]: {goal['goal']} "
+            f"(measured {goal['value']:.3f})"
+        )
     if args.json:
         write_json(result, args.json)
         console.print(f"wrote {args.json}")
@@ -62,11 +65,23 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
 
 
 def bench_table(result: BenchResult) -> Table:
-    table = Table(title=f"actplan bench — {result.model} — {result.device}, torch {result.torch_version}",
-                  caption=f"analytic activation floor {mib(result.floor_bytes)} MiB; "
-                  f"{result.warmup} warm-up + {result.repeats} interleaved rounds")
-    for column in ("policy", "loss identical", "max |Δgrad|", "grad census", "activations MiB",
-                   "vs none", "peak MiB", "floor MiB", "step s", "time vs none"):
+    table = Table(
+        title=f"actplan bench — {result.model} — {result.device}, torch {result.torch_version}",
+        caption=f"analytic activation floor {mib(result.floor_bytes)} MiB; "
+        f"{result.warmup} warm-up + {result.repeats} interleaved rounds",
+    )
+    for column in (
+        "policy",
+        "loss identical",
+        "max |Δgrad|",
+        "grad census",
+        "activations MiB",
+        "vs none",
+        "peak MiB",
+        "floor MiB",
+        "step s",
+        "time vs none",
+    ):
         table.add_column(column, justify="left" if column == "policy" else "right", no_wrap=True)
     none = result.row("none")
     for r in result.rows:
@@ -96,8 +111,9 @@ def _explain(args: argparse.Namespace, console: Console) -> int:
         table.add_column(column)
     for layer in plan.layers:
         kept = ", ".join(u.value for u in layer.kept_units) if layer.mode == "selective" else "-"
-        table.add_row(str(layer.index), layer.name, layer.class_name, layer.mode, kept or "(none)",
-                      layer.source)
+        table.add_row(
+            str(layer.index), layer.name, layer.class_name, layer.mode, kept or "(none)", layer.source
+        )
     console.print(table)
     return 0
 
@@ -109,15 +125,30 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="measure every policy side by side on a reference model")
     bench.add_argument("--model", default="dense", choices=sorted(MODELS))
     bench.add_argument("--size", default="small", help="model size preset (tiny, small)")
-    bench.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
-                       help=f"comma-separated presets (known: {', '.join(PRESETS)})")
-    bench.add_argument("--config", action="append", default=[], metavar="FILE",
-                       help="add a row for a config file (repeatable)")
+    bench.add_argument(
+        "--policies",
+        default=",".join(DEFAULT_POLICIES),
+        help=f"comma-separated presets (known: {', '.join(PRESETS)})",
+    )
+    bench.add_argument(
+        "--config",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="add a row for a config file (repeatable)",
+    )
     bench.add_argument("--repeats", type=int, default=7, help="timed interleaved rounds")
     bench.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
+    bench.add_argument(
+        "--overhead-repeats",
+        type=int,
+        default=12,
+        help="extra rounds timing full against plain torch.utils.checkpoint (0: none)",
+    )
     bench.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    bench.add_argument("--no-reference", action="store_true",
-                       help="skip the plain torch.utils.checkpoint reference row")
+    bench.add_argument(
+        "--no-reference", action="store_true", help="skip the plain torch.utils.checkpoint reference row"
+    )
     bench.add_argument("--json", metavar="PATH", help="write the full result as JSON")
     bench.add_argument("--markdown", metavar="PATH", help="write a markdown report")
     bench.add_argument("--quiet", action="store_true", help="no progress bar")

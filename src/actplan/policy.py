@@ -45,9 +45,16 @@ _COLLECTIVE_NAMESPACES = frozenset({"_c10d_functional", "c10d_functional", "_c10
 def _routing_ops() -> frozenset:
     aten = torch.ops.aten
     names = [
-        ("topk", "default"), ("sort", "default"), ("sort", "stable"), ("argsort", "default"),
-        ("argsort", "stable"), ("nonzero", "default"), ("bincount", "default"),
-        ("histc", "default"), ("_local_scalar_dense", "default"), ("unique_consecutive", "default"),
+        ("topk", "default"),
+        ("sort", "default"),
+        ("sort", "stable"),
+        ("argsort", "default"),
+        ("argsort", "stable"),
+        ("nonzero", "default"),
+        ("bincount", "default"),
+        ("histc", "default"),
+        ("_local_scalar_dense", "default"),
+        ("unique_consecutive", "default"),
         ("_unique2", "default"),
     ]
     ops = set()
@@ -202,9 +209,10 @@ class _Region:
             self.op_count += 1
             if _is_view(func) or _draws_random(func, args, kwargs):
                 decision = _RECOMPUTE
-            elif self.kept_open or (self.policy.save_collectives and (
-                _always_saved(func) or (func is _TO_COPY and _is_device_to_host(args, kwargs))
-            )):
+            elif self.kept_open or (
+                self.policy.save_collectives
+                and (_always_saved(func) or (func is _TO_COPY and _is_device_to_host(args, kwargs)))
+            ):
                 decision = _SAVE
             else:
                 decision = _RECOMPUTE

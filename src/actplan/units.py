@@ -52,8 +52,7 @@ UNIT_DESCRIPTIONS: dict[RecomputeUnit, str] = {
         "GEMMs in backward: the best time saved per byte in most layers."
     ),
     RecomputeUnit.QK_NORM: (
-        "Per-head RMSNorm of queries and keys (Qwen3 style), about q+kv values. "
-        "Cheap to recompute."
+        "Per-head RMSNorm of queries and keys (Qwen3 style), about q+kv values. Cheap to recompute."
     ),
     RecomputeUnit.ROPE: (
         "Rotary position embedding applied to queries and keys (q+kv values). "
@@ -67,17 +66,13 @@ UNIT_DESCRIPTIONS: dict[RecomputeUnit, str] = {
         "Attention output projection (d values). Keeping it skips one GEMM; the "
         "residual stream after attention is rebuilt from it with one add."
     ),
-    RecomputeUnit.MLP_NORM: (
-        "RMSNorm before the MLP (about 2d+1 values). Cheap elementwise work."
-    ),
+    RecomputeUnit.MLP_NORM: ("RMSNorm before the MLP (about 2d+1 values). Cheap elementwise work."),
     RecomputeUnit.MLP_UP: (
         "Gate and up projections of the SwiGLU MLP (2f values). The largest GEMMs of "
         "a dense layer; keeping them saves the most recompute time and costs the "
         "most memory."
     ),
-    RecomputeUnit.MLP_ACT: (
-        "SiLU(gate) * up (2f values). Elementwise; the input of the down projection."
-    ),
+    RecomputeUnit.MLP_ACT: ("SiLU(gate) * up (2f values). Elementwise; the input of the down projection."),
     RecomputeUnit.MLP_DOWN: (
         "Down projection output (d values). Backward never needs it, so keeping it "
         "costs memory and saves nothing when recompute stops early."
@@ -89,18 +84,10 @@ UNIT_DESCRIPTIONS: dict[RecomputeUnit, str] = {
     RecomputeUnit.MOE_DISPATCH: (
         "Tokens permuted (and exchanged across ranks) to their experts (k*d values)."
     ),
-    RecomputeUnit.MOE_EXPERTS: (
-        "Grouped expert GEMMs, gate/up and down (k*(2f+d) values)."
-    ),
-    RecomputeUnit.MOE_ACT: (
-        "SwiGLU activation inside the experts (k*2f values), elementwise."
-    ),
-    RecomputeUnit.MOE_COMBINE: (
-        "Expert outputs weighted and summed back per token (k*d values)."
-    ),
-    RecomputeUnit.SHARED_EXPERTS: (
-        "The always-on shared expert MLP (2f+d values)."
-    ),
+    RecomputeUnit.MOE_EXPERTS: ("Grouped expert GEMMs, gate/up and down (k*(2f+d) values)."),
+    RecomputeUnit.MOE_ACT: ("SwiGLU activation inside the experts (k*2f values), elementwise."),
+    RecomputeUnit.MOE_COMBINE: ("Expert outputs weighted and summed back per token (k*d values)."),
+    RecomputeUnit.SHARED_EXPERTS: ("The always-on shared expert MLP (2f+d values)."),
     RecomputeUnit.SPARSE_INDEXER: (
         "Indexer scores and top-k key ids for sparse attention. The ids are integer "
         "routing data and are saved whatever the plan."

@@ -58,8 +58,15 @@ class DenseConfig:
 PRESETS: dict[str, DenseConfig] = {
     # Runs a training step in a few milliseconds: for tests.
     "tiny": DenseConfig(
-        vocab_size=128, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=192,
-        max_seq_len=64, batch_size=2, seq_len=16,
+        vocab_size=128,
+        dim=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        ffn_dim=192,
+        max_seq_len=64,
+        batch_size=2,
+        seq_len=16,
     ),
     # About half a second per training step on two CPU cores: for the bench.
     "small": DenseConfig(),
@@ -207,9 +214,11 @@ class DenseModel(nn.Module):
             if name.endswith("norm.weight"):
                 nn.init.ones_(param)
             else:
-                std = 0.02 / math.sqrt(2 * self.config.n_layers) if name.endswith(
-                    ("o_proj.weight", "down_proj.weight")
-                ) else 0.02
+                std = (
+                    0.02 / math.sqrt(2 * self.config.n_layers)
+                    if name.endswith(("o_proj.weight", "down_proj.weight"))
+                    else 0.02
+                )
                 with torch.no_grad():
                     param.normal_(0.0, std, generator=gen)
 

@@ -367,6 +367,14 @@ def to_markdown(result: BenchResult) -> str:
     lines += ["", "## Goals", ""]
     for g in result.goals:
         lines.append(f"- {'met' if g['met'] else 'NOT met'}: {g['goal']} (measured {g['value']:.3f})")
+    if result.overhead_vs_torch_checkpoint:
+        o = result.overhead_vs_torch_checkpoint
+        lines += [
+            "",
+            f"Engine overhead, `full` through actplan against plain `torch.utils.checkpoint` per layer: "
+            f"median ratio {o['median']:.3f} (quartiles {o['q25']:.3f}-{o['q75']:.3f}) over {o['pairs']} "
+            "paired steps.",
+        ]
     lines += [
         "",
         "## Marker cost",

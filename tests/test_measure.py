@@ -492,3 +492,16 @@ def test_comparing_different_models_is_an_error():
     other(torch.randn(2, 8)).sum().backward()
     with pytest.raises(ValueError, match="different parameters"):
         compare_steps(baseline, capture_step(other, torch.tensor(0.0)))
+
+
+def test_op_counter_counts_executed_ops_only():
+    from actplan.measure import OpCounter
+
+    x = torch.randn(4, 4, requires_grad=True)
+    with OpCounter() as counter:
+        y = torch.mm(x, x).relu().sum()
+        y.backward()
+    aten = torch.ops.aten
+    assert counter[aten.mm.default] == 3  # forward and two gradient GEMMs
+    assert counter[aten.relu.default] == 1
+    assert counter[aten.topk.default] == 0

@@ -5,17 +5,15 @@ no checkpointing, with dropout on.
 """
 
 import copy
-from collections import Counter
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import actplan
 from actplan.apply import find_layers, installed_plan
-from actplan.measure import MemoryMeter, capture_step, compare_steps
+from actplan.measure import MemoryMeter, OpCounter, capture_step, compare_steps
 from actplan.models import build_model
 from actplan.models.dense import DecoderLayer
 
@@ -102,16 +100,6 @@ def test_overrides_mix_modes_exactly(bundle, baseline):
     )
     modes = [layer.mode for layer in installed_plan(model).layers]
     assert modes == ["full", "selective", "none"]
-
-
-class OpCounter(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.counts = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.counts[func] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def count_ops(bundle, config):

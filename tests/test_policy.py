@@ -1,17 +1,16 @@
 """The interval policy: which ops are saved, and marker errors."""
 
 import warnings
-from collections import Counter
 
 import pytest
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext
 
 from actplan import policy as policy_module
 from actplan.boundary import apply_gradient_checkpointing
 from actplan.markers import MARKER_OP, checkpoint_record
+from actplan.measure import OpCounter
 from actplan.policy import IntervalPolicy, MarkerError, _Region
 from actplan.units import MarkerInterval, RecomputeIntervalMap
 
@@ -21,16 +20,6 @@ IMAP = RecomputeIntervalMap(
         "mlp_act": MarkerInterval("act", "end"),
     }
 )
-
-
-class OpCounter(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.counts = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.counts[func] += 1
-        return func(*args, **(kwargs or {}))
 
 
 class Toy(nn.Module):

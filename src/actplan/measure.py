@@ -10,6 +10,7 @@ import math
 import threading
 import time
 import weakref
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -24,6 +25,7 @@ __all__ = [
     "MarkSample",
     "MemoryMeter",
     "MemoryReport",
+    "OpCounter",
     "ParityReport",
     "RatioStats",
     "StepCapture",
@@ -412,6 +414,27 @@ class MemoryMeter:
         if not self._active or self._tracker is None:
             raise RuntimeError(f"MemoryMeter.{what} used outside its window; use it inside `with meter:`")
         return self._tracker
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts every op that actually executes while active, by ``OpOverload``.
+
+    Enter it outside checkpointing: ops a selective-checkpoint cache serves in
+    recompute never reach it, so the counts prove what was replayed and what was
+    not. Counting at the dispatcher (not in Python) also sees ops that a replay
+    reruns without rerunning the Python around them, e.g. collectives.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[func] += 1
+        return func(*args, **(kwargs or {}))
+
+    def __getitem__(self, func: Any) -> int:
+        return self.counts[func]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -86,6 +86,15 @@ def test_unknown_unit_lists_valid_and_declared_units(tmp_path, capsys):
     assert "units this model declares: attn_norm, qkv_proj" in out
 
 
+def test_units_lists_the_catalogue_and_a_models_units(capsys):
+    assert main(["units"]) == 0
+    out = capsys.readouterr().out
+    assert "sparse_indexer" in out and "moe_router" in out
+    assert main(["units", "--model", "dense"]) == 0
+    out = capsys.readouterr().out
+    assert "mlp_down" in out and "DecoderLayer" in out and "moe_router" not in out
+
+
 def test_unknown_preset_is_an_error(capsys):
     assert main(["explain", "--size", "tiny", "--config", "matmul"]) == 2
     assert "matmul" in capsys.readouterr().out

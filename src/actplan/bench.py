@@ -52,6 +52,7 @@ class PolicyRow:
     parity_ok: bool
     activation_bytes: int
     peak_bytes: int
+    cuda_max_allocated_bytes: int | None
     step_median_s: float
     step_q25_s: float
     step_q75_s: float
@@ -202,7 +203,7 @@ def run_bench(
 
     contenders = []
     captures: dict[str, StepCapture] = {}
-    memory: dict[str, tuple[int, int]] = {}
+    memory: dict[str, tuple[int, int, int | None]] = {}
     param_bytes = 0
     for name, config in entries:
         contender = _prepare(bundle, name, config, dev)
@@ -213,7 +214,11 @@ def run_bench(
         with MemoryMeter(contender.model, contender.optimizer) as meter:
             _train_step(contender, batch, seed=1, meter=meter)
         report = meter.report()
-        memory[name] = (report.marks["forward_end"].activation_bytes, report.peak_bytes)
+        memory[name] = (
+            report.marks["forward_end"].activation_bytes,
+            report.peak_bytes,
+            report.cuda_max_allocated_bytes,
+        )
         param_bytes = report.param_bytes
         tick(f"memory {name}", total)
 
@@ -229,7 +234,7 @@ def run_bench(
         parity = compare_steps(baseline, captures[contender.name])
         stats = timings[contender.name]
         rel = ratio(stats, timings["none"])
-        act, peak = memory[contender.name]
+        act, peak, cuda_peak = memory[contender.name]
         rows.append(
             PolicyRow(
                 name=contender.name,
@@ -241,6 +246,7 @@ def run_bench(
                 parity_ok=parity.ok,
                 activation_bytes=act,
                 peak_bytes=peak,
+                cuda_max_allocated_bytes=cuda_peak,
                 step_median_s=stats.median,
                 step_q25_s=stats.q25,
                 step_q75_s=stats.q75,

@@ -1,4 +1,4 @@
-"""The ``actplan`` command line: ``bench`` (the main job) and ``explain``.
+"""The ``actplan`` command line: ``bench`` (the main job), ``explain`` and ``units``.
 
 Top of the import picture: it may use everything, nothing imports it.
 """
@@ -118,6 +118,32 @@ def _explain(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _units(args: argparse.Namespace, console: Console) -> int:
+    from actplan.apply import layer_specs
+    from actplan.models import build_model
+    from actplan.units import UNIT_DESCRIPTIONS, RecomputeUnit
+
+    declared: dict[RecomputeUnit, list[str]] = {}
+    if args.model:
+        for spec in layer_specs(build_model(args.model, "tiny").model):
+            for unit in spec.interval_map.units:
+                classes = declared.setdefault(unit, [])
+                if spec.class_name not in classes:
+                    classes.append(spec.class_name)
+    table = Table(title="recompute units" + (f" declared by model {args.model!r}" if args.model else ""))
+    table.add_column("unit", no_wrap=True)
+    if args.model:
+        table.add_column("declared by", no_wrap=True)
+    table.add_column("what it is; what keeping it costs and saves")
+    for unit in RecomputeUnit:
+        if args.model and unit not in declared:
+            continue
+        row = [unit.value, ", ".join(declared[unit])] if args.model else [unit.value]
+        table.add_row(*row, UNIT_DESCRIPTIONS[unit])
+    console.print(table)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="actplan", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -159,6 +185,10 @@ def build_parser() -> argparse.ArgumentParser:
     explain.add_argument("--size", default="small")
     explain.add_argument("--config", required=True, help="preset name or YAML/JSON file")
     explain.set_defaults(run=_explain)
+
+    units = sub.add_parser("units", help="list the recompute units (all, or those a model declares)")
+    units.add_argument("--model", choices=sorted(MODELS), help="only the units this model declares")
+    units.set_defaults(run=_units)
     return parser
 
 

@@ -59,3 +59,27 @@ def test_policy_sees_markers_in_order_in_a_fullgraph_compiled_layer(monkeypatch)
     pairs = zip(eager.named_parameters(), compiled.named_parameters(), strict=True)
     for (name, p_eager), (_, p_comp) in pairs:
         torch.testing.assert_close(p_comp.grad, p_eager.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_many_selective_layers_compile_into_one_graph_per_plan():
+    # One policy object per distinct plan: dynamo guards on it, so per-layer
+    # objects would recompile every layer and, past the recompile limit, make
+    # fullgraph=True fail outright.
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    bundle = build_model("dense", "tiny", n_layers=12)
+    batch = bundle.make_batch(0)
+    config = {"preset": "matmuls", "overrides": [{"layers": {"every": 3}, "keep": ["attn_core"]}]}
+    eager = copy.deepcopy(bundle.model)
+    compiled = copy.deepcopy(bundle.model)
+    actplan.apply(eager, config)
+    actplan.apply(compiled, config)
+    for _, layer in find_layers(compiled):
+        layer.compile(fullgraph=True, backend="aot_eager")
+    eager_loss = eager(**batch)["loss"]
+    eager_loss.backward()
+    loss = compiled(**batch)["loss"]
+    loss.backward()
+    torch.testing.assert_close(loss, eager_loss, rtol=1e-6, atol=1e-6)
+    unique_graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert unique_graphs == 2, unique_graphs

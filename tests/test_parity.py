@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 import actplan
 from actplan.apply import find_layers, installed_plan
+from actplan.boundary import checkpoint_state
 from actplan.measure import MemoryMeter, OpCounter, capture_step, compare_steps
 from actplan.models import build_model
 from actplan.models.dense import DecoderLayer
@@ -181,3 +182,14 @@ def test_kept_unit_costs_exactly_its_outputs():
     attn = activation_bytes(bundle, "attn")
     out_and_lse = tokens * config.dim * 4 + tokens * config.n_heads * 4
     assert attn - full == config.n_layers * out_and_lse
+
+
+def test_layers_with_the_same_plan_share_one_policy():
+    bundle = build_model("dense", "tiny", n_layers=4)
+    actplan.apply(bundle.model, {"preset": "matmuls", "overrides": [{"layers": "3", "keep": ["attn_core"]}]})
+    context_fns = [checkpoint_state(layer).context_fn for _, layer in find_layers(bundle.model)]
+    policies = [fn.args[0] for fn in context_fns]
+    assert policies[0] is policies[1] is policies[2]
+    assert policies[3] is not policies[0]
+    assert policies[0].layer_name == "DecoderLayer (layers 0-2)"
+    assert policies[3].layer_name == "DecoderLayer (layers.3)"

@@ -18,7 +18,7 @@ from actplan.boundary import (
     remove_gradient_checkpointing,
 )
 from actplan.config import ConfigError, RecomputeConfig
-from actplan.plan import LayerSpec, Plan, resolve_plan
+from actplan.plan import LayerPlan, LayerSpec, Plan, format_indices, resolve_plan
 from actplan.policy import IntervalPolicy
 from actplan.units import RecomputeIntervalMap
 
@@ -74,20 +74,44 @@ def apply(model: nn.Module, config: RecomputeConfig | dict[str, Any] | str | Pat
     """
     plan = plan_for(model, config)
     remove(model)
-    for layer_plan, (name, module) in zip(plan.layers, find_layers(model), strict=True):
+    layers = [
+        (layer_plan, module) for layer_plan, (_, module) in zip(plan.layers, find_layers(model), strict=True)
+    ]
+    policies = _shared_policies(layers)
+    for layer_plan, module in layers:
         if layer_plan.mode == "none":
             continue
-        context_fn = None
-        if layer_plan.mode == "selective":
-            policy = IntervalPolicy(
-                interval_map_of(module),
-                layer_plan.kept_intervals,
-                layer_name=f"{name} ({type(module).__name__})",
-            )
-            context_fn = policy.context_fn
+        policy = policies.get(_policy_key(layer_plan, module))
+        context_fn = policy.context_fn if policy is not None else None
         apply_gradient_checkpointing(module, context_fn=context_fn, owner=layer_plan)
     model.__dict__[_PLAN_ATTR] = plan
     return plan
+
+
+def _policy_key(layer: LayerPlan, module: nn.Module) -> tuple | None:
+    if layer.mode != "selective":
+        return None
+    return (layer.class_name, interval_map_of(module), layer.kept_intervals)
+
+
+def _shared_policies(layers: list[tuple[LayerPlan, nn.Module]]) -> dict[tuple, IntervalPolicy]:
+    """One policy per distinct (layer class, kept intervals), shared by its layers.
+
+    ``torch.compile`` guards on the policy object inside ``context_fn``: one object
+    per layer would recompile every layer and, past dynamo's recompile limit, make
+    ``fullgraph=True`` fail. Shared, layers with the same plan reuse one graph.
+    """
+    members: dict[tuple, list[LayerPlan]] = {}
+    for layer, module in layers:
+        key = _policy_key(layer, module)
+        if key is not None:
+            members.setdefault(key, []).append(layer)
+    policies = {}
+    for key, layers in members.items():
+        class_name, interval_map, kept = key
+        where = layers[0].name if len(layers) == 1 else f"layers {format_indices([x.index for x in layers])}"
+        policies[key] = IntervalPolicy(interval_map, kept, layer_name=f"{class_name} ({where})")
+    return policies
 
 
 def installed_plan(model: nn.Module) -> Plan | None:

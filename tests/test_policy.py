@@ -11,7 +11,7 @@ from actplan import policy as policy_module
 from actplan.boundary import apply_gradient_checkpointing
 from actplan.markers import MARKER_OP, checkpoint_record
 from actplan.measure import OpCounter
-from actplan.policy import IntervalPolicy, MarkerError, _Region
+from actplan.policy import IntervalPolicy, KeptTensorMutatedError, MarkerError, _Region
 from actplan.units import MarkerInterval, RecomputeIntervalMap
 
 IMAP = RecomputeIntervalMap(
@@ -194,3 +194,50 @@ def test_recompute_calls_replay_forward_decisions(monkeypatch):
 def test_kept_intervals_must_be_declared():
     with pytest.raises(ValueError, match="not declared"):
         IntervalPolicy(IMAP, [MarkerInterval("x", "y")], layer_name="L")
+
+
+class NormThenProj(nn.Module):
+    """F.rms_norm decomposes on CPU into ops that add eps in place."""
+
+    recompute_intervals = RecomputeIntervalMap(
+        {"attn_norm": MarkerInterval("norm", "proj"), "qkv_proj": MarkerInterval("proj", "end")}
+    )
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(8))
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        checkpoint_record("norm")
+        h = torch.nn.functional.rms_norm(x, (8,), self.weight)
+        checkpoint_record("proj")
+        y = self.lin(h)
+        checkpoint_record("end")
+        return y.sum()
+
+
+def test_in_place_change_of_a_kept_tensor_is_a_clear_error():
+    layer = NormThenProj()
+    x = torch.randn(4, 8, requires_grad=True)
+    layer(x).backward()
+    expected = x.grad.clone()
+    x.grad = None
+    pol = IntervalPolicy(
+        NormThenProj.recompute_intervals,
+        NormThenProj.recompute_intervals.intervals_of(["qkv_proj"]),
+        layer_name="layers.0 (NormThenProj)",
+    )
+    apply_gradient_checkpointing(layer, context_fn=pol.context_fn)
+    layer(x).backward()  # the norm is recomputed: its in-place add touches nothing saved
+    assert torch.equal(x.grad, expected)
+
+    kept_norm = NormThenProj()
+    imap = NormThenProj.recompute_intervals
+    pol = IntervalPolicy(imap, imap.intervals_of(["attn_norm"]), layer_name="layers.0 (NormThenProj)")
+    apply_gradient_checkpointing(kept_norm, context_fn=pol.context_fn)
+    with pytest.raises(
+        KeptTensorMutatedError, match=r"layers.0 \(NormThenProj\): in-place op aten.add_"
+    ) as err:
+        kept_norm(x)
+    assert "unit 'attn_norm'" in str(err.value) and "out-of-place" in str(err.value)

@@ -13,7 +13,7 @@ from actplan.boundary import (
 from actplan.config import PRESETS, ConfigError, LayerSelector, RecomputeConfig
 from actplan.markers import checkpoint_record
 from actplan.plan import LayerPlan, Plan
-from actplan.policy import IntervalPolicy, MarkerError
+from actplan.policy import IntervalPolicy, KeptTensorMutatedError, MarkerError
 from actplan.units import UNIT_DESCRIPTIONS, MarkerInterval, RecomputeIntervalMap, RecomputeUnit
 
 __version__ = "0.1.0"
@@ -23,6 +23,7 @@ __all__ = [
     "UNIT_DESCRIPTIONS",
     "ConfigError",
     "IntervalPolicy",
+    "KeptTensorMutatedError",
     "LayerPlan",
     "LayerSelector",
     "MarkerError",

@@ -25,6 +25,7 @@ import functools
 import warnings
 from collections import defaultdict
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
@@ -77,6 +78,16 @@ def _always_saved(func) -> bool:
 
 
 @functools.cache
+def _mutated_arguments(func) -> tuple[tuple[int, str], ...]:
+    """(position, name) of each argument an in-place or ``out=`` op writes to."""
+    return tuple(
+        (position, argument.name)
+        for position, argument in enumerate(func._schema.arguments)
+        if argument.alias_info is not None and argument.alias_info.is_write
+    )
+
+
+@functools.cache
 def _is_view(func) -> bool:
     # _unsafe_view aliases its input but its schema does not say so.
     return bool(getattr(func, "is_view", False)) or func is torch.ops.aten._unsafe_view.default
@@ -113,6 +124,10 @@ def _is_device_to_host(args, kwargs) -> bool:
 
 class MarkerError(RuntimeError):
     """Markers emitted by a layer do not match its ``RecomputeIntervalMap``."""
+
+
+class KeptTensorMutatedError(RuntimeError):
+    """An in-place op modified a tensor the selective policy had already saved."""
 
 
 class IntervalPolicy:
@@ -186,13 +201,26 @@ def _region_contexts(policy: IntervalPolicy):
 class _Region:
     """Marker state and decisions for one checkpointed call of one layer."""
 
-    __slots__ = ("finished", "kept_open", "log", "marker_seq", "op_count", "open", "policy", "replay_index")
+    __slots__ = (
+        "cached",
+        "finished",
+        "kept",
+        "log",
+        "marker_seq",
+        "op_count",
+        "open",
+        "policy",
+        "replay_index",
+    )
 
     def __init__(self, policy: IntervalPolicy) -> None:
         self.policy = policy
         # interval -> (sequence number of the marker that opened it, op_count then)
         self.open: dict[MarkerInterval, tuple[int, int]] = {}
-        self.kept_open = 0
+        # Open kept intervals, innermost last.
+        self.kept: list[MarkerInterval] = []
+        # Storages of saved outputs -> (producing op, kept interval or None if always saved).
+        self.cached: dict[int, tuple[Any, MarkerInterval | None]] = {}
         self.marker_seq = 0
         self.op_count = 0
         self.finished = False
@@ -207,18 +235,48 @@ class _Region:
             decision = _RECOMPUTE
         else:
             self.op_count += 1
+            mutated = _mutated_arguments(func)
+            if mutated and self.cached:
+                self._check_mutation(func, mutated, args, kwargs)
             if _is_view(func) or _draws_random(func, args, kwargs):
                 decision = _RECOMPUTE
-            elif self.kept_open or (
-                self.policy.save_collectives
-                and (_always_saved(func) or (func is _TO_COPY and _is_device_to_host(args, kwargs)))
+            elif self.kept:
+                decision = _SAVE
+                self._remember(ctx, func, self.kept[-1])
+            elif self.policy.save_collectives and (
+                _always_saved(func) or (func is _TO_COPY and _is_device_to_host(args, kwargs))
             ):
                 decision = _SAVE
+                self._remember(ctx, func, None)
             else:
                 decision = _RECOMPUTE
         if self.log is not None:
             self.log[func].append(decision)
         return decision
+
+    def _remember(self, ctx, func, interval: MarkerInterval | None) -> None:
+        # torch < 2.13 gives no op_output: mutations are then caught by torch itself in backward.
+        outputs = getattr(ctx, "op_output", None)
+        for out in outputs if isinstance(outputs, (tuple, list)) else (outputs,):
+            if isinstance(out, torch.Tensor) and out.device.type != "meta":
+                self.cached.setdefault(out.untyped_storage()._cdata, (func, interval))
+
+    def _check_mutation(self, func, mutated, args, kwargs) -> None:
+        for position, name in mutated:
+            target = args[position] if position < len(args) else kwargs.get(name)
+            if not isinstance(target, torch.Tensor) or target.device.type == "meta":
+                continue
+            producer = self.cached.get(target.untyped_storage()._cdata)
+            if producer is None:
+                continue
+            producer_op, interval = producer
+            owner = self.policy.describe(interval) if interval else "routing/collective rule"
+            raise KeptTensorMutatedError(
+                f"{self.policy.layer_name}: in-place op {func} modifies the output of {producer_op}, "
+                f"which the kept {owner} saved; backward would read a stale copy. Make that "
+                "computation out-of-place (for example F.rms_norm and nn.RMSNorm add eps in place "
+                "on CPU; write the norm with out-of-place ops), or do not keep that unit."
+            )
 
     def _replay(self, func) -> CheckpointPolicy:
         if self.log is None:
@@ -269,7 +327,7 @@ class _Region:
         for span in closes:
             _, opened_ops = self.open.pop(span)
             if span in policy.kept_intervals:
-                self.kept_open -= 1
+                self.kept.remove(span)
                 if opened_ops == self.op_count:
                     policy.warn_empty(span)
         for span in opens:
@@ -281,7 +339,7 @@ class _Region:
                 )
             self.open[span] = (self.marker_seq, self.op_count)
             if span in policy.kept_intervals:
-                self.kept_open += 1
+                self.kept.append(span)
 
     def _finish(self) -> None:
         self.finished = True

@@ -16,13 +16,13 @@ pytestmark = [pytest.mark.compile, pytest.mark.slow]
 def test_policy_sees_markers_in_order_in_a_fullgraph_compiled_layer(monkeypatch):
     torch._dynamo.reset()
     seen = []
-    original = _Region._on_marker
+    original = _Region.on_marker
 
     def spy(self, marker):
         seen.append(marker)
         return original(self, marker)
 
-    monkeypatch.setattr(_Region, "_on_marker", spy)
+    monkeypatch.setattr(_Region, "on_marker", spy)
     bundle = build_model("dense", "tiny", n_layers=1)
     batch = bundle.make_batch(0)
     eager = copy.deepcopy(bundle.model)

@@ -187,8 +187,7 @@ def test_kept_unit_costs_exactly_its_outputs():
 def test_layers_with_the_same_plan_share_one_policy():
     bundle = build_model("dense", "tiny", n_layers=4)
     actplan.apply(bundle.model, {"preset": "matmuls", "overrides": [{"layers": "3", "keep": ["attn_core"]}]})
-    context_fns = [checkpoint_state(layer).context_fn for _, layer in find_layers(bundle.model)]
-    policies = [fn.args[0] for fn in context_fns]
+    policies = [checkpoint_state(layer).policy for _, layer in find_layers(bundle.model)]
     assert policies[0] is policies[1] is policies[2]
     assert policies[3] is not policies[0]
     assert policies[0].layer_name == "DecoderLayer (layers 0-2)"

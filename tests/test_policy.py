@@ -44,7 +44,7 @@ def run_toy(keep, markers=("proj", "act", "end")):
     torch.manual_seed(0)
     toy = Toy(markers)
     pol = IntervalPolicy(IMAP, IMAP.intervals_of(keep), layer_name="layers.0 (Toy)")
-    apply_gradient_checkpointing(toy, context_fn=pol.context_fn)
+    apply_gradient_checkpointing(toy, policy=pol)
     x = torch.randn(4, 8, requires_grad=True)
     with OpCounter() as counter:
         toy(x).backward()
@@ -228,14 +228,14 @@ def test_in_place_change_of_a_kept_tensor_is_a_clear_error():
         NormThenProj.recompute_intervals.intervals_of(["qkv_proj"]),
         layer_name="layers.0 (NormThenProj)",
     )
-    apply_gradient_checkpointing(layer, context_fn=pol.context_fn)
+    apply_gradient_checkpointing(layer, policy=pol)
     layer(x).backward()  # the norm is recomputed: its in-place add touches nothing saved
     assert torch.equal(x.grad, expected)
 
     kept_norm = NormThenProj()
     imap = NormThenProj.recompute_intervals
     pol = IntervalPolicy(imap, imap.intervals_of(["attn_norm"]), layer_name="layers.0 (NormThenProj)")
-    apply_gradient_checkpointing(kept_norm, context_fn=pol.context_fn)
+    apply_gradient_checkpointing(kept_norm, policy=pol)
     with pytest.raises(
         KeptTensorMutatedError, match=r"layers.0 \(NormThenProj\): in-place op aten.add_"
     ) as err:

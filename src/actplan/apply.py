@@ -82,8 +82,7 @@ def apply(model: nn.Module, config: RecomputeConfig | dict[str, Any] | str | Pat
         if layer_plan.mode == "none":
             continue
         policy = policies.get(_policy_key(layer_plan, module))
-        context_fn = policy.context_fn if policy is not None else None
-        apply_gradient_checkpointing(module, context_fn=context_fn, owner=layer_plan)
+        apply_gradient_checkpointing(module, policy=policy, owner=layer_plan)
     model.__dict__[_PLAN_ATTR] = plan
     return plan
 

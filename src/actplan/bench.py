@@ -24,7 +24,7 @@ from torch.utils.checkpoint import checkpoint
 
 from actplan.apply import apply, find_layers
 from actplan.config import RecomputeConfig
-from actplan.markers import checkpoint_record, recording_markers
+from actplan.markers import checkpoint_record, routing_markers
 from actplan.measure import (
     MemoryMeter,
     StepCapture,
@@ -35,6 +35,8 @@ from actplan.measure import (
     ratio,
 )
 from actplan.models import ModelBundle, build_model
+from actplan.policy import IntervalPolicy
+from actplan.units import MarkerInterval, RecomputeIntervalMap
 
 DEFAULT_POLICIES = ("none", "full", "attn", "matmuls", "megatron-selective")
 TORCH_CHECKPOINT = "torch-checkpoint"
@@ -140,27 +142,24 @@ def _train_step(
     return captured
 
 
-def measure_marker_cost(calls: int = 200_000) -> dict[str, float]:
-    """Nanoseconds per ``checkpoint_record`` call outside and inside a recording region."""
+def measure_marker_cost(calls: int = 100_000) -> dict[str, float]:
+    """Nanoseconds per ``checkpoint_record`` call outside a checkpointed layer, and
+    inside one where the call also advances the region's interval state machine."""
+    imap = RecomputeIntervalMap({"attn_core": MarkerInterval("a", "b")})
+    policy = IntervalPolicy(imap, (), layer_name="marker-cost")
     out = {}
-    for label, recording in (("outside_region", False), ("inside_region", True)):
+    for label in ("outside_region", "inside_region"):
         best = float("inf")
         for _ in range(3):
-            with recording_markers() if recording else _null():
+            sink = policy.open_region()[1] if label == "inside_region" else None
+            with routing_markers(sink):
                 start = time.perf_counter()
-                for _ in range(calls):
-                    checkpoint_record("m")
+                for _ in range(calls // 2):
+                    checkpoint_record("a")
+                    checkpoint_record("b")
                 best = min(best, time.perf_counter() - start)
         out[label] = best / calls * 1e9
     return out
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _device(name: str) -> torch.device:

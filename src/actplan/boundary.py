@@ -14,16 +14,27 @@ from __future__ import annotations
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 
-from actplan.markers import LAYER_END, checkpoint_record, recording_markers
+from actplan.markers import LAYER_END, checkpoint_record, routing_markers
 
 _STATE_ATTR = "_actplan_checkpoint"
+
+
+class MarkerPolicy(Protocol):
+    """A selective policy driven by ``checkpoint_record`` markers (``IntervalPolicy``)."""
+
+    # Stable across calls, for torch.compile: the graph's marker ops reach it.
+    context_fn: Callable[[], Any]
+
+    def open_region(self) -> tuple[Callable[[], Any], Callable[[str], None]]:
+        """Eager: a per-call ``context_fn`` and the sink its markers go to."""
+        ...
 
 
 @dataclass
@@ -31,6 +42,7 @@ class CheckpointState:
     """What ``apply_gradient_checkpointing`` installed on a module."""
 
     context_fn: Callable[[], Any] | None
+    policy: MarkerPolicy | None
     preserve_rng_state: bool
     early_stop: bool
     determinism_check: str
@@ -46,14 +58,16 @@ def _needs_grad(module: nn.Module, args: tuple, kwargs: dict) -> bool:
     return any(isinstance(x, torch.Tensor) and x.requires_grad for x in tree_leaves((args, kwargs)))
 
 
-def _run_recorded(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    # Markers reach the policy only while recording; the end marker lets the
-    # policy check that every interval the forward opened was closed.
+def _run_with_markers(
+    sink: Callable[[str], None] | None, forward: Callable[..., Any], *args: Any, **kwargs: Any
+) -> Any:
+    # The end marker lets the policy check that every interval the forward opened
+    # was closed. Compiled, markers are graph ops; eager, they go to the sink.
     if torch.compiler.is_compiling():
         out = forward(*args, **kwargs)
         checkpoint_record(LAYER_END)
         return out
-    with recording_markers():
+    with routing_markers(sink):
         out = forward(*args, **kwargs)
         checkpoint_record(LAYER_END)
     return out
@@ -76,16 +90,23 @@ def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         "early_stop": state.early_stop,
         "determinism_check": state.determinism_check,
     }
+    if state.policy is not None:
+        if torch.compiler.is_compiling():
+            context_fn, sink = state.policy.context_fn, None
+        else:
+            context_fn, sink = state.policy.open_region()
+        return checkpoint(_run_with_markers, sink, inner, *args, context_fn=context_fn, **options, **kwargs)
     if state.context_fn is None:
         return checkpoint(inner, *args, **options, **kwargs)
     # context_fn is passed only when set: dynamo rejects torch's default no-op one.
-    return checkpoint(_run_recorded, inner, *args, context_fn=state.context_fn, **options, **kwargs)
+    return checkpoint(inner, *args, context_fn=state.context_fn, **options, **kwargs)
 
 
 def apply_gradient_checkpointing(
     module: nn.Module,
     *,
     context_fn: Callable[[], Any] | None = None,
+    policy: MarkerPolicy | None = None,
     preserve_rng_state: bool = True,
     early_stop: bool = True,
     determinism_check: str = "default",
@@ -95,8 +116,12 @@ def apply_gradient_checkpointing(
 
     Args:
         module: the layer to wrap, in place; it is returned for chaining.
-        context_fn: a selective-checkpoint context factory (for example
-            ``IntervalPolicy(...).context_fn``). ``None`` recomputes everything.
+        context_fn: a selective-checkpoint context factory, as
+            ``torch.utils.checkpoint`` takes it. ``None`` (and no ``policy``)
+            recomputes everything.
+        policy: a marker-driven selective policy such as ``IntervalPolicy``;
+            preferred over its bare ``context_fn`` because eager markers then
+            reach it without a trip through the dispatcher.
         preserve_rng_state: restore the RNG state before replaying, so dropout
             and other random draws are identical in recompute (default on).
         early_stop: stop the replay once every tensor backward needs exists.
@@ -110,6 +135,8 @@ def apply_gradient_checkpointing(
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"apply_gradient_checkpointing expects an nn.Module, got {type(module).__name__}")
+    if context_fn is not None and policy is not None:
+        raise ValueError("give either context_fn or policy, not both: a policy brings its own context_fn")
     if is_checkpointed(module):
         raise ValueError(
             f"{type(module).__name__} is already checkpointed by actplan; call "
@@ -121,6 +148,7 @@ def apply_gradient_checkpointing(
         _STATE_ATTR,
         CheckpointState(
             context_fn=context_fn,
+            policy=policy,
             preserve_rng_state=preserve_rng_state,
             early_stop=early_stop,
             determinism_check=determinism_check,

@@ -1,11 +1,12 @@
 """``checkpoint_record``: the marker model code places in ``forward``.
 
 The marker is a registered torch custom op (``torch.ops.actplan.checkpoint_record``)
-with no tensor arguments and no outputs. Being an op, it reaches the
-selective-checkpoint policy through the dispatcher in program order, both in
-eager mode and when a layer is traced by ``torch.compile(fullgraph=True)``.
-Outside an active selective region (and outside compilation) the Python guard
-returns before touching the dispatcher, so a marker costs one attribute read.
+with no tensor arguments and no outputs. While ``torch.compile`` traces a layer
+the op is emitted, so the compiled graph carries the markers, in program order,
+to the selective-checkpoint policy that runs when the graph is partitioned. In
+eager mode the same call goes straight to the region recording the layer (no
+dispatcher round trip), and outside a checkpointed layer it returns after one
+check.
 
 Imports only torch; the policy module imports this one, never the reverse.
 """
@@ -13,7 +14,7 @@ Imports only torch; the policy module imports this one, never the reverse.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -36,29 +37,34 @@ LAYER_END = "actplan.layer_end"
 """Reserved marker the checkpoint boundary emits when a layer's forward returns."""
 
 
-class _RegionDepth(threading.local):
-    depth = 0
+class _MarkerRoute(threading.local):
+    # Where eager markers go in this thread: the recording region, or nowhere.
+    sink: Callable[[str], None] | None = None
 
 
-_ACTIVE = _RegionDepth()
+_ROUTE = _MarkerRoute()
 
 
 def checkpoint_record(marker: str) -> None:
     """Mark a point in a layer's forward; ``MarkerInterval`` spans run between two marks.
 
-    Emits the marker op only while a selective-checkpoint region is recording in
-    this thread, or while ``torch.compile`` traces (the compiled graph must carry
-    the marker for the policy that runs when the graph is partitioned).
+    Under ``torch.compile`` it emits the marker op into the graph; in eager mode it
+    tells the selective-checkpoint region recording this layer, if any.
     """
-    if _ACTIVE.depth or torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():
         MARKER_OP(marker)
+        return
+    sink = _ROUTE.sink
+    if sink is not None:
+        sink(marker)
 
 
 @contextmanager
-def recording_markers() -> Iterator[None]:
-    """Make ``checkpoint_record`` emit its op in this thread (nests)."""
-    _ACTIVE.depth += 1
+def routing_markers(sink: Callable[[str], None] | None) -> Iterator[None]:
+    """Send this thread's eager ``checkpoint_record`` calls to ``sink`` (nests)."""
+    previous = _ROUTE.sink
+    _ROUTE.sink = sink
     try:
         yield
     finally:
-        _ACTIVE.depth -= 1
+        _ROUTE.sink = previous

@@ -24,8 +24,8 @@ from __future__ import annotations
 import functools
 import warnings
 from collections import defaultdict
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, NamedTuple
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
@@ -70,48 +70,54 @@ _ROUTING_OPS = _routing_ops()
 _TO_COPY = torch.ops.aten._to_copy.default
 
 
-@functools.cache
-def _always_saved(func) -> bool:
-    """Collectives and routing ops: their outputs are never recomputed."""
-    namespace = getattr(func, "namespace", None)
-    return func in _ROUTING_OPS or namespace in _COLLECTIVE_NAMESPACES
+class _OpTraits(NamedTuple):
+    """What the policy needs to know about an op, worked out once per op."""
+
+    is_view: bool
+    seeded: bool  # may draw random numbers
+    dropout_position: int | None  # where its dropout_p argument sits, if it has one
+    always_saved: bool  # collective or routing op
+    is_to_copy: bool  # may be a device-to-host copy
+    mutated: tuple[tuple[int, str], ...]  # (position, name) of arguments written in place
 
 
-@functools.cache
-def _mutated_arguments(func) -> tuple[tuple[int, str], ...]:
-    """(position, name) of each argument an in-place or ``out=`` op writes to."""
-    return tuple(
-        (position, argument.name)
-        for position, argument in enumerate(func._schema.arguments)
-        if argument.alias_info is not None and argument.alias_info.is_write
+# Keyed by id(): ops are process-lived singletons, and OpOverload.__hash__ runs in
+# Python, which a per-op policy cannot afford several times per op.
+_TRAITS: dict[int, _OpTraits] = {}
+
+
+def _op_traits(func) -> _OpTraits:
+    traits = _TRAITS.get(id(func))
+    if traits is not None:
+        return traits
+    schema = getattr(func, "_schema", None)
+    arguments = schema.arguments if schema is not None else ()
+    seeded = torch.Tag.nondeterministic_seeded in getattr(func, "tags", ())
+    traits = _OpTraits(
+        # _unsafe_view aliases its input but its schema does not say so.
+        is_view=bool(getattr(func, "is_view", False)) or func is torch.ops.aten._unsafe_view.default,
+        seeded=seeded,
+        dropout_position=next((i for i, a in enumerate(arguments) if a.name == "dropout_p"), None),
+        always_saved=func in _ROUTING_OPS or getattr(func, "namespace", None) in _COLLECTIVE_NAMESPACES,
+        is_to_copy=func is _TO_COPY,
+        mutated=tuple(
+            (position, argument.name)
+            for position, argument in enumerate(arguments)
+            if argument.alias_info is not None and argument.alias_info.is_write
+        ),
     )
+    _TRAITS[id(func)] = traits
+    return traits
 
 
-@functools.cache
-def _is_view(func) -> bool:
-    # _unsafe_view aliases its input but its schema does not say so.
-    return bool(getattr(func, "is_view", False)) or func is torch.ops.aten._unsafe_view.default
-
-
-@functools.cache
-def _random_spec(func) -> tuple[bool, int | None]:
-    """(whether the op may draw random numbers, position of its ``dropout_p`` argument)."""
-    if torch.Tag.nondeterministic_seeded not in getattr(func, "tags", ()):
-        return False, None
-    for position, argument in enumerate(func._schema.arguments):
-        if argument.name == "dropout_p":
-            return True, position
-    return True, None
-
-
-def _draws_random(func, args, kwargs) -> bool:
-    seeded, dropout_position = _random_spec(func)
-    if not seeded or dropout_position is None:
-        return seeded
+def _draws_random(traits: _OpTraits, args, kwargs) -> bool:
+    if not traits.seeded or traits.dropout_position is None:
+        return traits.seeded
     # Attention kernels are tagged random but draw only when dropout_p > 0.
     if "dropout_p" in kwargs:
         return kwargs["dropout_p"] != 0
-    return dropout_position < len(args) and args[dropout_position] != 0
+    position = traits.dropout_position
+    return position < len(args) and args[position] != 0
 
 
 def _is_device_to_host(args, kwargs) -> bool:
@@ -140,8 +146,10 @@ class IntervalPolicy:
         save_collectives: keep collective and routing outputs whatever the plan
             (on by default; turning it off reruns collectives in backward).
 
-    ``context_fn`` is what ``torch.utils.checkpoint`` takes; it is a
-    ``functools.partial`` so ``torch.compile`` can trace it.
+    ``context_fn`` is what ``torch.utils.checkpoint`` takes; it is a stable
+    ``functools.partial`` so ``torch.compile`` can trace it and guard on it (the
+    compiled graph carries the marker ops). In eager mode the boundary calls
+    ``open_region()`` instead, so markers reach the region without dispatching.
     """
 
     def __init__(
@@ -173,6 +181,12 @@ class IntervalPolicy:
         self._closes = {m: tuple(v) for m, v in closes.items()}
         self._warned_empty: set[MarkerInterval] = set()
         self.context_fn = functools.partial(_region_contexts, self)
+
+    def open_region(self) -> tuple[functools.partial, Callable[[str], None]]:
+        """Eager form, one per checkpointed call: a ``context_fn`` bound to a fresh
+        region, and the marker sink that feeds the same region directly."""
+        region = _Region(self)
+        return functools.partial(create_selective_checkpoint_contexts, region.decide), region.on_marker
 
     def __repr__(self) -> str:
         kept = ", ".join(sorted(str(s) for s in self.kept_intervals)) or "nothing"
@@ -231,20 +245,20 @@ class _Region:
         if ctx.is_recompute:
             return self._replay(func)
         if func is MARKER_OP:
-            self._on_marker(args[0])
+            self.on_marker(args[0])
             decision = _RECOMPUTE
         else:
             self.op_count += 1
-            mutated = _mutated_arguments(func)
-            if mutated and self.cached:
-                self._check_mutation(func, mutated, args, kwargs)
-            if _is_view(func) or _draws_random(func, args, kwargs):
+            traits = _TRAITS.get(id(func)) or _op_traits(func)
+            if traits.mutated and self.cached:
+                self._check_mutation(func, traits.mutated, args, kwargs)
+            if traits.is_view or (traits.seeded and _draws_random(traits, args, kwargs)):
                 decision = _RECOMPUTE
             elif self.kept:
                 decision = _SAVE
                 self._remember(ctx, func, self.kept[-1])
             elif self.policy.save_collectives and (
-                _always_saved(func) or (func is _TO_COPY and _is_device_to_host(args, kwargs))
+                traits.always_saved or (traits.is_to_copy and _is_device_to_host(args, kwargs))
             ):
                 decision = _SAVE
                 self._remember(ctx, func, None)
@@ -288,13 +302,13 @@ class _Region:
         self.replay_index[func] = index + 1
         return self.log[func][index]
 
-    def _on_marker(self, marker: str) -> None:
-        policy = self.policy
+    def on_marker(self, marker: str) -> None:
+        """Advance the marker state machine (eager: called directly; compiled: via the op)."""
         if self.finished:
-            raise MarkerError(
-                f"{policy.layer_name}: marker {marker!r} ran after the layer's forward ended; "
-                "markers must be emitted inside the checkpointed forward"
-            )
+            # The replay in backward reruns the forward and its markers: decisions are
+            # already made by then.
+            return
+        policy = self.policy
         if marker == LAYER_END:
             self._finish()
             return

@@ -386,8 +386,8 @@ def to_markdown(result: BenchResult) -> str:
         "",
         f"- `checkpoint_record` outside a checkpointed layer: {result.marker_cost_ns['outside_region']:.0f} "
         "ns per call",
-        f"- inside a recording region (dispatches the op): {result.marker_cost_ns['inside_region']:.0f} "
-        "ns per call",
+        f"- inside a checkpointed layer (advances the region's interval state): "
+        f"{result.marker_cost_ns['inside_region']:.0f} ns per call",
         "",
     ]
     return "\n".join(lines)

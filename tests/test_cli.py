@@ -55,6 +55,18 @@ def test_bench_accepts_config_files(tmp_path):
     assert "qkv" in to_markdown(result)
 
 
+@pytest.mark.parametrize("clash", ["policy", "file"])
+def test_bench_rejects_rows_with_the_same_name(tmp_path, clash):
+    if clash == "policy":
+        with pytest.raises(ValueError, match="'full' appears more than once"):
+            run_bench("dense", "tiny", ("none", "full", "full"), repeats=1, warmup=0)
+    else:
+        plan = tmp_path / "none.yaml"
+        plan.write_text("preset: full\n")
+        with pytest.raises(ValueError, match="'none' appears more than once"):
+            run_bench("dense", "tiny", ("none",), (plan,), repeats=1, warmup=0)
+
+
 def test_explain_prints_the_plan(capsys):
     assert main(["explain", "--model", "dense", "--size", "tiny", "--config", "matmuls"]) == 0
     out = capsys.readouterr().out

@@ -364,6 +364,8 @@ def config_dicts(draw):
     )
     if overrides:
         data["overrides"] = [{"layers": layers, **choice} for layers, choice in overrides]
+    elif data.get("layers") == "none":
+        del data["layers"]  # 'none' without overrides checkpoints nothing: an error
     return data
 
 
@@ -522,3 +524,18 @@ def test_parse_rejects_unknown_names_and_types(tmp_path: Path):
     assert "matmuls" in str(info.value)
     with pytest.raises(ConfigError, match="cannot make a RecomputeConfig from int"):
         RecomputeConfig.parse(3)  # type: ignore[arg-type]
+
+
+def test_duplicate_yaml_key_names_the_file_and_both_lines(tmp_path):
+    path = tmp_path / "twice.yaml"
+    path.write_text("mode: selective\nkeep: [attn_core]\nkeep: [mlp_up]\n")
+    with pytest.raises(ConfigError) as err:
+        RecomputeConfig.from_file(path)
+    message = str(err.value)
+    assert "twice.yaml, line 3" in message and "'keep' appears twice (first on line 2)" in message
+
+
+def test_layers_none_without_overrides_is_an_error():
+    for data in ({"layers": "none"}, {"preset": "matmuls", "layers": "none"}):
+        with pytest.raises(ConfigError, match=r"checkpoints nothing.*preset: none"):
+            RecomputeConfig.from_dict(data)

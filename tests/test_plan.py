@@ -303,8 +303,21 @@ def test_layer_specs_must_be_in_model_order():
     override_layers=st.lists(st.lists(st.integers(0, 7), min_size=1, max_size=4), max_size=3),
 )
 def test_each_layer_is_decided_by_the_last_entry_that_selects_it(top, override_layers):
+    if top == "none" and not override_layers:
+        with pytest.raises(ConfigError, match="checkpoints nothing"):
+            RecomputeConfig.from_dict({"layers": top})
+        return
     data = {"layers": top, "overrides": [{"layers": ids, "mode": "none"} for ids in override_layers]}
     config = RecomputeConfig.from_dict(data)
+    shadowed = [
+        position
+        for position, ids in enumerate(override_layers)
+        if set(ids) <= {i for later in override_layers[position + 1 :] for i in later}
+    ]
+    if shadowed:
+        with pytest.raises(ConfigError, match=rf"overrides\[{shadowed[0]}\].*decides no layer"):
+            resolve_plan(config, dense_layers(8))
+        return
     plan = resolve_plan(config, dense_layers(8))
     top_selected = set(config.layers.resolve(8))
     for layer in plan.layers:
@@ -376,3 +389,21 @@ def test_plan_keeps_the_config_and_is_immutable():
 )
 def test_format_indices(indices, expected):
     assert format_indices(indices) == expected
+
+
+def test_an_override_that_later_overrides_fully_cover_is_an_error():
+    message = resolution_error(
+        {"overrides": [{"layers": [0], "mode": "none"}, {"layers": "all", "mode": "full"}]}, dense_layers(4)
+    )
+    assert "overrides[0] (layers: [0]) decides no layer" in message
+
+
+def test_a_top_level_choice_that_overrides_fully_cover_is_an_error():
+    message = resolution_error(
+        {"preset": "matmuls", "layers": "0-1", "overrides": [{"layers": "0-3", "mode": "full"}]},
+        dense_layers(4),
+    )
+    assert "top-level choice (layers: '0-1') decides no layer" in message
+    # Without a top-level preset/keep/recompute there is nothing to lose.
+    plan = plan_for({"layers": "none", "overrides": [{"layers": "1", "mode": "full"}]}, dense_layers(4))
+    assert [layer.mode for layer in plan.layers] == ["none", "full", "none", "none"]

@@ -1,5 +1,6 @@
 """The interval policy: which ops are saved, and marker errors."""
 
+import copy
 import warnings
 
 import pytest
@@ -241,3 +242,136 @@ def test_in_place_change_of_a_kept_tensor_is_a_clear_error():
     ) as err:
         kept_norm(x)
     assert "unit 'attn_norm'" in str(err.value) and "out-of-place" in str(err.value)
+
+
+class InPlaceInsideKept(nn.Module):
+    """F.dropout on CPU (empty_like, bernoulli_, div_) and in-place updates inside a
+    kept unit, of tensors made outside it: the replay rebuilds what they write into."""
+
+    recompute_intervals = RecomputeIntervalMap(
+        {"mlp_up": MarkerInterval("up", "gap"), "mlp_act": MarkerInterval("act", "end")}
+    )
+
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(8, 8)
+        self.down = nn.Linear(8, 8)
+
+    def forward(self, x):
+        checkpoint_record("up")
+        h = self.up(x)
+        checkpoint_record("gap")
+        scaled = h * 1.5  # outside every interval: always recomputed
+        checkpoint_record("act")
+        scaled.mul_(2.0)
+        with torch.no_grad():
+            scaled.clamp_(-3.0, 3.0)
+        h = torch.nn.functional.dropout(torch.tanh(scaled), 0.3, training=True)
+        checkpoint_record("end")
+        return self.down(h).sum()
+
+
+@pytest.mark.parametrize("keep", [["mlp_act"], ["mlp_up", "mlp_act"], ["mlp_up"]])
+def test_in_place_and_cpu_dropout_inside_kept_units_are_exact(keep):
+    torch.manual_seed(0)
+    base = InPlaceInsideKept()
+    x = torch.randn(6, 8, requires_grad=True)
+
+    def grads(layer):
+        torch.manual_seed(1)
+        loss = layer(x)
+        loss.backward()
+        out = [loss.detach(), x.grad.clone(), *(p.grad.clone() for p in layer.parameters())]
+        x.grad = None
+        return out
+
+    expected = grads(copy.deepcopy(base))
+    layer = copy.deepcopy(base)
+    imap = InPlaceInsideKept.recompute_intervals
+    apply_gradient_checkpointing(layer, policy=IntervalPolicy(imap, imap.intervals_of(keep), layer_name="L"))
+    for got, want in zip(grads(layer), expected, strict=True):
+        assert torch.equal(got, want)
+
+
+def test_in_place_change_of_a_routing_output_names_the_out_of_place_fix():
+    class Router(nn.Module):
+        recompute_intervals = RecomputeIntervalMap({"moe_router": MarkerInterval("r", "e")})
+
+        def __init__(self):
+            super().__init__()
+            self.gate = nn.Linear(4, 4)
+
+        def forward(self, x):
+            checkpoint_record("r")
+            order = self.gate(x).argsort(dim=-1)
+            order += 0
+            checkpoint_record("e")
+            return (self.gate(x) * order).sum()
+
+    layer = Router()
+    apply_gradient_checkpointing(
+        layer, policy=IntervalPolicy(Router.recompute_intervals, (), layer_name="L"), name="layers.7 (Router)"
+    )
+    with pytest.raises(KeptTensorMutatedError, match=r"layers.7 \(Router\).*routing or collective") as err:
+        layer(torch.randn(3, 4, requires_grad=True))
+    assert "out-of-place" in str(err.value)
+
+
+def test_kept_interval_that_never_runs_warns_once():
+    class Conditional(Toy):
+        def forward(self, x):
+            checkpoint_record("proj")
+            h = self.lin(x)
+            checkpoint_record("act")  # mlp_act's interval [act, end) opens ...
+            checkpoint_record("end")  # ... and closes with no op: "ran no op"
+            return h.sum()
+
+    class Skipping(nn.Module):
+        recompute_intervals = RecomputeIntervalMap(
+            {"qkv_proj": MarkerInterval("a", "b"), "mlp_act": MarkerInterval("c", "d")}
+        )
+
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x):
+            checkpoint_record("a")
+            h = self.lin(x)
+            checkpoint_record("b")
+            return h.sum()
+
+    imap = Skipping.recompute_intervals
+    layer = apply_gradient_checkpointing(
+        Skipping(),
+        policy=IntervalPolicy(imap, imap.intervals_of(["mlp_act"]), layer_name="L"),
+        name="layers.1",
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            layer(torch.randn(2, 8, requires_grad=True)).backward()
+    assert len(caught) == 1
+    assert "layers.1: kept interval [c, d) of unit 'mlp_act' never ran (marker 'c' was not emitted)" in str(
+        caught[0].message
+    )
+
+
+def test_marker_error_names_the_failing_layer_when_layers_share_a_policy():
+    class Stack(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(Toy() for _ in range(3))
+            self.layers[2].markers = ("proj", "act", "proj")  # leaves [proj, act) open
+
+        def forward(self, x):
+            return sum(layer(x) for layer in self.layers)
+
+    import actplan
+
+    model = Stack()
+    plan = actplan.apply(model, {"mode": "selective", "keep": ["qkv_proj"]})
+    assert len({id(actplan.boundary.checkpoint_state(m).policy) for _, m in actplan.find_layers(model)}) == 1
+    assert plan.layers[2].name == "layers.2"
+    with pytest.raises(MarkerError, match=r"^layers.2 \(Toy\): unbalanced markers"):
+        model(torch.randn(2, 8, requires_grad=True))

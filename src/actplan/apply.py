@@ -82,7 +82,9 @@ def apply(model: nn.Module, config: RecomputeConfig | dict[str, Any] | str | Pat
         if layer_plan.mode == "none":
             continue
         policy = policies.get(_policy_key(layer_plan, module))
-        apply_gradient_checkpointing(module, policy=policy, owner=layer_plan)
+        apply_gradient_checkpointing(
+            module, policy=policy, owner=layer_plan, name=f"{layer_plan.name} ({layer_plan.class_name})"
+        )
     model.__dict__[_PLAN_ATTR] = plan
     return plan
 

@@ -196,6 +196,14 @@ def run_bench(
     entries += [(Path(c).stem, RecomputeConfig.from_file(c)) for c in configs]
     if reference:
         entries.append((TORCH_CHECKPOINT, None))
+    names = [name for name, _ in entries]
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise ValueError(
+            f"bench rows must have distinct names, but {', '.join(map(repr, repeated))} appears more than "
+            "once (a config file row is named after its file stem); list each policy once and rename "
+            "config files that share a name with a policy"
+        )
     measure_overhead = reference and "full" in policies and overhead_repeats > 0
     total = len(entries) * (2 + warmup + repeats) + (2 * overhead_repeats if measure_overhead else 0)
     tick = progress or (lambda label, total: None)

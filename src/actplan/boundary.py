@@ -32,7 +32,7 @@ class MarkerPolicy(Protocol):
     # Stable across calls, for torch.compile: the graph's marker ops reach it.
     context_fn: Callable[[], Any]
 
-    def open_region(self) -> tuple[Callable[[], Any], Callable[[str], None]]:
+    def open_region(self, layer_name: str | None = None) -> tuple[Callable[[], Any], Callable[[str], None]]:
         """Eager: a per-call ``context_fn`` and the sink its markers go to."""
         ...
 
@@ -50,6 +50,8 @@ class CheckpointState:
     previous_forward: Callable[..., Any] | None
     # Free-form owner data (the plan entry ``actplan.apply`` installed).
     owner: Any = None
+    # How errors name this module, e.g. "layers.3 (DecoderLayer)".
+    name: str | None = None
 
 
 def _needs_grad(module: nn.Module, args: tuple, kwargs: dict) -> bool:
@@ -94,7 +96,7 @@ def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():
             context_fn, sink = state.policy.context_fn, None
         else:
-            context_fn, sink = state.policy.open_region()
+            context_fn, sink = state.policy.open_region(state.name)
         return checkpoint(_run_with_markers, sink, inner, *args, context_fn=context_fn, **options, **kwargs)
     if state.context_fn is None:
         return checkpoint(inner, *args, **options, **kwargs)
@@ -111,6 +113,7 @@ def apply_gradient_checkpointing(
     early_stop: bool = True,
     determinism_check: str = "default",
     owner: Any = None,
+    name: str | None = None,
 ) -> nn.Module:
     """Checkpoint ``module``'s forward with ``torch.utils.checkpoint(use_reentrant=False)``.
 
@@ -128,6 +131,7 @@ def apply_gradient_checkpointing(
         determinism_check: forwarded to ``torch.utils.checkpoint``.
         owner: opaque data stored with the wrapper (``actplan.apply`` stores the
             layer's plan here so ``explain`` and ``remove`` can find it).
+        name: how marker errors name this module (default: the policy's name).
 
     A module whose parameters are all frozen, called with inputs that need no
     gradient, runs without checkpointing (no replay, detached outputs).
@@ -154,6 +158,7 @@ def apply_gradient_checkpointing(
             determinism_check=determinism_check,
             previous_forward=previous,
             owner=owner,
+            name=name,
         ),
     )
     # A bound method (not a closure) so copy.deepcopy rebinds it to the copy.

@@ -37,6 +37,24 @@ class ConfigError(ValueError):
     """A recompute config that is malformed, inconsistent, or does not fit the model."""
 
 
+class _StrictSafeLoader(yaml.SafeLoader):
+    """Safe YAML loading that rejects a key given twice (YAML would keep the last silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        first_line: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in first_line:
+                raise yaml.constructor.ConstructorError(
+                    None,
+                    None,
+                    f"key {key!r} appears twice (first on line {first_line[key]}); keep one",
+                    key_node.start_mark,
+                )
+            first_line[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep=deep)
+
+
 @dataclass(frozen=True)
 class PresetSpec:
     """A named recompute choice: a mode and, for selective, the units kept or recomputed.
@@ -413,6 +431,11 @@ class RecomputeConfig(RecomputeChoice):
 
     @model_validator(mode="after")
     def _reject_layers_without_effect(self) -> RecomputeConfig:
+        if self.layers.selects_nothing and not self.overrides:
+            raise ConfigError(
+                "layers: 'none' with no overrides checkpoints nothing; to turn checkpointing off "
+                "write `preset: none`, or add overrides that select the layers to checkpoint"
+            )
         # Layers left unselected are not checkpointed either, so a selector does nothing here.
         if self.mode == "none" and self.layers.root != "all":
             raise ConfigError(
@@ -433,7 +456,7 @@ class RecomputeConfig(RecomputeChoice):
     def from_yaml(cls, text: str, source: str = "<string>") -> RecomputeConfig:
         """Parse YAML text (safe loading only); errors name ``source`` and the line."""
         try:
-            data = yaml.safe_load(text)
+            data = yaml.load(text, Loader=_StrictSafeLoader)
         except yaml.MarkedYAMLError as err:
             mark = err.problem_mark or err.context_mark
             where = f"{source}, line {mark.line + 1}, column {mark.column + 1}" if mark else source

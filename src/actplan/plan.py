@@ -132,8 +132,31 @@ def resolve_plan(config: RecomputeConfig, layer_specs: Sequence[LayerSpec]) -> P
         for index in _resolve_selector(override, f"{where}.layers", len(specs)):
             deciding[index] = (override, f"{where}.", where)
 
+    _reject_entries_that_decide_nothing(config, deciding)
     layers = tuple(_plan_layer(spec, deciding[spec.index]) for spec in specs)
     return Plan(layers=layers, config=config)
+
+
+def _reject_entries_that_decide_nothing(
+    config: RecomputeConfig, deciding: list[tuple[RecomputeChoice, str, str] | None]
+) -> None:
+    """An entry whose every layer a later override takes over would do nothing."""
+    decided = {label for entry in deciding if entry is not None for label in [entry[2]]}
+    for position, override in enumerate(config.overrides):
+        where = f"overrides[{position}]"
+        if where not in decided:
+            raise ConfigError(
+                f"{where} (layers: {override.layers.root!r}) decides no layer: later overrides "
+                "select every layer it selects, so it would do nothing; remove it or narrow the "
+                "later overrides"
+            )
+    states_choice = config.preset is not None or config.keep is not None or config.recompute is not None
+    if states_choice and "top level" not in decided:
+        raise ConfigError(
+            f"the top-level choice (layers: {config.layers.root!r}) decides no layer: overrides "
+            "select every layer it selects, so its preset/keep/recompute would do nothing; remove "
+            "them or narrow the overrides"
+        )
 
 
 def _resolve_selector(entry: RecomputeConfig | LayerOverride, field: str, num_layers: int) -> tuple[int, ...]:

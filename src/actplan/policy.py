@@ -9,6 +9,9 @@ whether its output is saved or recomputed:
   copies) are always saved, so recompute never re-communicates or re-routes;
 * view ops are always replayed: they cost nothing, and a cached view would pin
   its base tensor (say the norm output a projection reshapes) for no gain;
+* in-place and ``out=`` ops, and ops returning uninitialised memory (``empty*``),
+  are always replayed: the replay rebuilds the tensor they write into, while a
+  cached result would alias a tensor that later ops change;
 * random ops (dropout, ``rand``...) are always replayed, even inside a kept
   interval: a cached random op would not advance the generator during
   recompute, and every random op after it would draw different numbers;
@@ -67,6 +70,7 @@ def _routing_ops() -> frozenset:
 
 
 _ROUTING_OPS = _routing_ops()
+_UNINITIALIZED = frozenset({"empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided"})
 _TO_COPY = torch.ops.aten._to_copy.default
 
 
@@ -79,6 +83,7 @@ class _OpTraits(NamedTuple):
     always_saved: bool  # collective or routing op
     is_to_copy: bool  # may be a device-to-host copy
     mutated: tuple[tuple[int, str], ...]  # (position, name) of arguments written in place
+    uninitialized: bool  # returns uninitialised memory (empty, empty_like, ...)
 
 
 # Keyed by id(): ops are process-lived singletons, and OpOverload.__hash__ runs in
@@ -105,6 +110,7 @@ def _op_traits(func) -> _OpTraits:
             for position, argument in enumerate(arguments)
             if argument.alias_info is not None and argument.alias_info.is_write
         ),
+        uninitialized=getattr(func, "_opname", "") in _UNINITIALIZED,
     )
     _TRAITS[id(func)] = traits
     return traits
@@ -179,13 +185,14 @@ class IntervalPolicy:
             closes[span.end].append(span)
         self._opens = {m: tuple(v) for m, v in opens.items()}
         self._closes = {m: tuple(v) for m, v in closes.items()}
-        self._warned_empty: set[MarkerInterval] = set()
+        self._warned_idle: set[MarkerInterval] = set()
         self.context_fn = functools.partial(_region_contexts, self)
 
-    def open_region(self) -> tuple[functools.partial, Callable[[str], None]]:
+    def open_region(self, layer_name: str | None = None) -> tuple[functools.partial, Callable[[str], None]]:
         """Eager form, one per checkpointed call: a ``context_fn`` bound to a fresh
-        region, and the marker sink that feeds the same region directly."""
-        region = _Region(self)
+        region, and the marker sink that feeds the same region directly.
+        ``layer_name`` names the calling layer in errors (the policy may be shared)."""
+        region = _Region(self, layer_name)
         return functools.partial(create_selective_checkpoint_contexts, region.decide), region.on_marker
 
     def __repr__(self) -> str:
@@ -195,14 +202,14 @@ class IntervalPolicy:
     def describe(self, interval: MarkerInterval) -> str:
         return f"interval {interval} of unit {self.interval_map.unit_of(interval).value!r}"
 
-    def warn_empty(self, interval: MarkerInterval) -> None:
-        if interval in self._warned_empty:
+    def warn_idle(self, interval: MarkerInterval, layer_name: str, what: str) -> None:
+        """Warn once per interval that a kept interval did no work (``what`` says how)."""
+        if interval in self._warned_idle:
             return
-        self._warned_empty.add(interval)
+        self._warned_idle.add(interval)
         warnings.warn(
-            f"{self.layer_name}: kept {self.describe(interval)} ran no op, so keeping it saves "
-            "nothing. Check that the layer emits its markers around real work, or drop the unit "
-            "from 'keep'.",
+            f"{layer_name}: kept {self.describe(interval)} {what}, so keeping it saves nothing. "
+            "Check that the layer emits its markers around real work, or drop the unit from 'keep'.",
             stacklevel=2,
         )
 
@@ -219,6 +226,8 @@ class _Region:
         "cached",
         "finished",
         "kept",
+        "kept_seen",
+        "layer_name",
         "log",
         "marker_seq",
         "op_count",
@@ -227,12 +236,14 @@ class _Region:
         "replay_index",
     )
 
-    def __init__(self, policy: IntervalPolicy) -> None:
+    def __init__(self, policy: IntervalPolicy, layer_name: str | None = None) -> None:
         self.policy = policy
+        self.layer_name = layer_name or policy.layer_name
         # interval -> (sequence number of the marker that opened it, op_count then)
         self.open: dict[MarkerInterval, tuple[int, int]] = {}
-        # Open kept intervals, innermost last.
+        # Open kept intervals, innermost last; and every kept interval opened so far.
         self.kept: list[MarkerInterval] = []
+        self.kept_seen: set[MarkerInterval] = set()
         # Storages of saved outputs -> (producing op, kept interval or None if always saved).
         self.cached: dict[int, tuple[Any, MarkerInterval | None]] = {}
         self.marker_seq = 0
@@ -252,7 +263,12 @@ class _Region:
             traits = _TRAITS.get(id(func)) or _op_traits(func)
             if traits.mutated and self.cached:
                 self._check_mutation(func, traits.mutated, args, kwargs)
-            if traits.is_view or (traits.seeded and _draws_random(traits, args, kwargs)):
+            if (
+                traits.is_view
+                or traits.mutated
+                or traits.uninitialized
+                or (traits.seeded and _draws_random(traits, args, kwargs))
+            ):
                 decision = _RECOMPUTE
             elif self.kept:
                 decision = _SAVE
@@ -284,12 +300,19 @@ class _Region:
             if producer is None:
                 continue
             producer_op, interval = producer
-            owner = self.policy.describe(interval) if interval else "routing/collective rule"
+            if interval is None:
+                raise KeptTensorMutatedError(
+                    f"{self.layer_name}: in-place op {func} modifies the output of {producer_op}, a "
+                    "routing or collective op whose outputs are always saved (so recompute never "
+                    "re-routes or re-communicates); backward would read a stale copy. Write that "
+                    "update out-of-place, e.g. `order = order + 1` instead of `order += 1`."
+                )
             raise KeptTensorMutatedError(
-                f"{self.policy.layer_name}: in-place op {func} modifies the output of {producer_op}, "
-                f"which the kept {owner} saved; backward would read a stale copy. Make that "
-                "computation out-of-place (for example F.rms_norm and nn.RMSNorm add eps in place "
-                "on CPU; write the norm with out-of-place ops), or do not keep that unit."
+                f"{self.layer_name}: in-place op {func} modifies the output of {producer_op}, which "
+                f"the kept {self.policy.describe(interval)} saved; backward would read a stale copy. "
+                "Write that update out-of-place, or do not keep that unit. (On CPU, F.rms_norm and "
+                "nn.RMSNorm add their epsilon in place: keep the projections, not the norm, or write "
+                "the norm with out-of-place ops.)"
             )
 
     def _replay(self, func) -> CheckpointPolicy:
@@ -317,7 +340,7 @@ class _Region:
         if not closes and not opens:
             known = ", ".join(sorted(policy.interval_map.markers))
             raise MarkerError(
-                f"{policy.layer_name}: unknown marker {marker!r}; the layer's RecomputeIntervalMap "
+                f"{self.layer_name}: unknown marker {marker!r}; the layer's RecomputeIntervalMap "
                 f"uses markers {known}. Declare an interval that starts or ends at {marker!r}, or "
                 "remove the checkpoint_record call."
             )
@@ -325,7 +348,7 @@ class _Region:
         for span in closes:
             if span not in self.open:
                 raise MarkerError(
-                    f"{policy.layer_name}: unbalanced marker {marker!r}: it ends "
+                    f"{self.layer_name}: unbalanced marker {marker!r}: it ends "
                     f"{policy.describe(span)}, which is not open; expected marker {span.start!r} "
                     "before it"
                 )
@@ -334,7 +357,7 @@ class _Region:
             for other, (other_seq, _) in self.open.items():
                 if other_seq > opened_seq and other not in closes:
                     raise MarkerError(
-                        f"{policy.layer_name}: wrongly nested marker {marker!r}: it ends "
+                        f"{self.layer_name}: wrongly nested marker {marker!r}: it ends "
                         f"{policy.describe(span)} while {policy.describe(other)}, opened inside "
                         f"it, is still open; expected marker {other.end!r} first"
                     )
@@ -343,23 +366,26 @@ class _Region:
             if span in policy.kept_intervals:
                 self.kept.remove(span)
                 if opened_ops == self.op_count:
-                    policy.warn_empty(span)
+                    policy.warn_idle(span, self.layer_name, "ran no op")
         for span in opens:
             if span in self.open:
                 raise MarkerError(
-                    f"{policy.layer_name}: unbalanced marker {marker!r}: it starts "
+                    f"{self.layer_name}: unbalanced marker {marker!r}: it starts "
                     f"{policy.describe(span)} again before that interval ended; expected marker "
                     f"{span.end!r} first"
                 )
             self.open[span] = (self.marker_seq, self.op_count)
             if span in policy.kept_intervals:
                 self.kept.append(span)
+                self.kept_seen.add(span)
 
     def _finish(self) -> None:
         self.finished = True
         if self.open:
             span = max(self.open, key=lambda s: self.open[s][0])
             raise MarkerError(
-                f"{self.policy.layer_name}: unbalanced markers: {self.policy.describe(span)} is "
+                f"{self.layer_name}: unbalanced markers: {self.policy.describe(span)} is "
                 f"still open when the forward returns; expected marker {span.end!r}"
             )
+        for span in self.policy.kept_intervals - self.kept_seen:
+            self.policy.warn_idle(span, self.layer_name, f"never ran (marker {span.start!r} was not emitted)")

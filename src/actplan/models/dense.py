@@ -118,23 +118,20 @@ def apply_rope(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
     return torch.view_as_real(xc * freqs_cis[None, :, None, :]).flatten(3).type_as(x)
 
 
-class DecoderLayer(nn.Module):
-    """Pre-norm attention + SwiGLU block; each unit sits between two markers."""
+class Attention(nn.Module):
+    """Pre-norm grouped-query attention with QK-norm and RoPE.
 
-    recompute_intervals: ClassVar[RecomputeIntervalMap] = RecomputeIntervalMap(
-        {
-            "attn_norm": MarkerInterval("attn_norm", "qkv_proj"),
-            "qkv_proj": MarkerInterval("qkv_proj", "qk_norm"),
-            "qk_norm": MarkerInterval("qk_norm", "rope"),
-            "rope": MarkerInterval("rope", "attn_core"),
-            "attn_core": MarkerInterval("attn_core", "attn_proj"),
-            "attn_proj": MarkerInterval("attn_proj", "attn_residual"),
-            "mlp_norm": MarkerInterval("mlp_norm", "mlp_up"),
-            "mlp_up": MarkerInterval("mlp_up", "mlp_act"),
-            "mlp_act": MarkerInterval("mlp_act", "mlp_down"),
-            "mlp_down": MarkerInterval("mlp_down", "mlp_residual"),
-        }
-    )
+    Returns the residual stream after attention; each unit sits between two markers.
+    """
+
+    intervals: ClassVar[dict[str, MarkerInterval]] = {
+        "attn_norm": MarkerInterval("attn_norm", "qkv_proj"),
+        "qkv_proj": MarkerInterval("qkv_proj", "qk_norm"),
+        "qk_norm": MarkerInterval("qk_norm", "rope"),
+        "rope": MarkerInterval("rope", "attn_core"),
+        "attn_core": MarkerInterval("attn_core", "attn_proj"),
+        "attn_proj": MarkerInterval("attn_proj", "attn_residual"),
+    }
 
     def __init__(self, config: DenseConfig) -> None:
         super().__init__()
@@ -147,16 +144,10 @@ class DecoderLayer(nn.Module):
         self.q_norm = RMSNorm(hd, config.norm_eps)
         self.k_norm = RMSNorm(hd, config.norm_eps)
         self.o_proj = nn.Linear(config.n_heads * hd, config.dim, bias=False)
-        self.mlp_norm = RMSNorm(config.dim, config.norm_eps)
-        self.gate_proj = nn.Linear(config.dim, config.ffn_dim, bias=False)
-        self.up_proj = nn.Linear(config.dim, config.ffn_dim, bias=False)
-        self.down_proj = nn.Linear(config.ffn_dim, config.dim, bias=False)
 
-    def forward(self, hidden_states: torch.Tensor, *, freqs_cis: torch.Tensor) -> DecoderLayerOutput:
+    def forward(self, hidden_states: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
         cfg = self.config
         batch, seq, _ = hidden_states.shape
-        p = cfg.dropout if self.training else 0.0
-
         checkpoint_record("attn_norm")
         x = self.attn_norm(hidden_states)
         checkpoint_record("qkv_proj")
@@ -172,10 +163,31 @@ class DecoderLayer(nn.Module):
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
         )
         checkpoint_record("attn_proj")
-        attn_out = dropout(self.o_proj(attn.transpose(1, 2).reshape(batch, seq, -1)), p, self.training)
+        attn_out = self.o_proj(attn.transpose(1, 2).reshape(batch, seq, -1))
+        attn_out = dropout(attn_out, cfg.dropout, self.training)
         checkpoint_record("attn_residual")
-        hidden_states = hidden_states + attn_out
+        return hidden_states + attn_out
 
+
+class SwiGLU(nn.Module):
+    """Pre-norm SwiGLU MLP; returns the residual stream after it."""
+
+    intervals: ClassVar[dict[str, MarkerInterval]] = {
+        "mlp_norm": MarkerInterval("mlp_norm", "mlp_up"),
+        "mlp_up": MarkerInterval("mlp_up", "mlp_act"),
+        "mlp_act": MarkerInterval("mlp_act", "mlp_down"),
+        "mlp_down": MarkerInterval("mlp_down", "mlp_residual"),
+    }
+
+    def __init__(self, config: DenseConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.mlp_norm = RMSNorm(config.dim, config.norm_eps)
+        self.gate_proj = nn.Linear(config.dim, config.ffn_dim, bias=False)
+        self.up_proj = nn.Linear(config.dim, config.ffn_dim, bias=False)
+        self.down_proj = nn.Linear(config.ffn_dim, config.dim, bias=False)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         checkpoint_record("mlp_norm")
         x = self.mlp_norm(hidden_states)
         checkpoint_record("mlp_up")
@@ -183,9 +195,25 @@ class DecoderLayer(nn.Module):
         checkpoint_record("mlp_act")
         act = F.silu(gate) * up
         checkpoint_record("mlp_down")
-        mlp_out = dropout(self.down_proj(act), p, self.training)
+        mlp_out = dropout(self.down_proj(act), self.config.dropout, self.training)
         checkpoint_record("mlp_residual")
-        return {"hidden_states": hidden_states + mlp_out}
+        return hidden_states + mlp_out
+
+
+class DecoderLayer(nn.Module):
+    """Attention then SwiGLU, returning a TypedDict."""
+
+    recompute_intervals: ClassVar[RecomputeIntervalMap] = RecomputeIntervalMap(
+        {**Attention.intervals, **SwiGLU.intervals}
+    )
+
+    def __init__(self, config: DenseConfig) -> None:
+        super().__init__()
+        self.attn = Attention(config)
+        self.mlp = SwiGLU(config)
+
+    def forward(self, hidden_states: torch.Tensor, *, freqs_cis: torch.Tensor) -> DecoderLayerOutput:
+        return {"hidden_states": self.mlp(self.attn(hidden_states, freqs_cis))}
 
 
 class ModelOutput(TypedDict):

@@ -361,6 +361,7 @@ def test_to_rows_gives_plain_values_per_layer():
             "kept_units": "",
             "kept_intervals": 0,
             "source": "not selected",
+            "routing_saved": False,
         },
         {
             "index": 1,
@@ -370,6 +371,7 @@ def test_to_rows_gives_plain_values_per_layer():
             "kept_units": "attn_core",
             "kept_intervals": 1,
             "source": "top level, preset attn",
+            "routing_saved": True,
         },
     ]
 

@@ -90,9 +90,10 @@ def apply(model: nn.Module, config: RecomputeConfig | dict[str, Any] | str | Pat
 
 
 def _policy_key(layer: LayerPlan, module: nn.Module) -> tuple | None:
-    if layer.mode != "selective":
+    # Full layers that keep routing outputs run the policy with nothing kept.
+    if layer.mode == "none" or (layer.mode == "full" and not layer.routing_saved):
         return None
-    return (layer.class_name, interval_map_of(module), layer.kept_intervals)
+    return (layer.class_name, interval_map_of(module), layer.kept_intervals, layer.routing_saved)
 
 
 def _shared_policies(layers: list[tuple[LayerPlan, nn.Module]]) -> dict[tuple, IntervalPolicy]:
@@ -109,9 +110,11 @@ def _shared_policies(layers: list[tuple[LayerPlan, nn.Module]]) -> dict[tuple, I
             members.setdefault(key, []).append(layer)
     policies = {}
     for key, layers in members.items():
-        class_name, interval_map, kept = key
+        class_name, interval_map, kept, routing_saved = key
         where = layers[0].name if len(layers) == 1 else f"layers {format_indices([x.index for x in layers])}"
-        policies[key] = IntervalPolicy(interval_map, kept, layer_name=f"{class_name} ({where})")
+        policies[key] = IntervalPolicy(
+            interval_map, kept, layer_name=f"{class_name} ({where})", save_collectives=routing_saved
+        )
     return policies
 
 

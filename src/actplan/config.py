@@ -428,9 +428,17 @@ class RecomputeConfig(RecomputeChoice):
 
     layers: LayerSelector = LayerSelector("all")
     overrides: tuple[LayerOverride, ...] = ()
+    # Whether routing and collective outputs are saved rather than recomputed:
+    # "auto" in selective layers and in full layers that declare routing units.
+    save_collectives: bool | Literal["auto"] = "auto"
 
     @model_validator(mode="after")
     def _reject_layers_without_effect(self) -> RecomputeConfig:
+        if self.save_collectives != "auto" and self.mode == "none" and not self.overrides:
+            raise ConfigError(
+                f"save_collectives: {self.save_collectives} is given with mode 'none', where nothing is "
+                "recomputed, so it would do nothing; remove it or checkpoint some layers"
+            )
         if self.layers.selects_nothing and not self.overrides:
             raise ConfigError(
                 "layers: 'none' with no overrides checkpoints nothing; to turn checkpointing off "
@@ -556,6 +564,8 @@ class RecomputeConfig(RecomputeChoice):
             out["layers"] = copy.deepcopy(self.layers.root)
         if self.overrides:
             out["overrides"] = [override.to_dict() for override in self.overrides]
+        if self.save_collectives != "auto":
+            out["save_collectives"] = self.save_collectives
         return out
 
     def to_yaml(self) -> str:

@@ -7,11 +7,11 @@ layer, the mode and the kept units and intervals, and says where each choice cam
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from actplan.config import PRESETS, ConfigError, LayerOverride, Mode, RecomputeChoice, RecomputeConfig
-from actplan.units import MarkerInterval, RecomputeIntervalMap, RecomputeUnit
+from actplan.units import ROUTING_UNITS, MarkerInterval, RecomputeIntervalMap, RecomputeUnit
 
 NOT_SELECTED = "not selected"
 
@@ -41,6 +41,8 @@ class LayerPlan:
     kept_units: tuple[RecomputeUnit, ...]
     kept_intervals: frozenset[MarkerInterval]
     source: str
+    # Routing/collective outputs saved instead of recomputed (see RecomputeConfig.save_collectives).
+    routing_saved: bool = False
 
     @property
     def checkpointed(self) -> bool:
@@ -83,6 +85,7 @@ class Plan:
                 "kept_units": ", ".join(u.value for u in layer.kept_units),
                 "kept_intervals": len(layer.kept_intervals),
                 "source": layer.source,
+                "routing_saved": layer.routing_saved,
             }
             for layer in self.layers
         ]
@@ -133,8 +136,21 @@ def resolve_plan(config: RecomputeConfig, layer_specs: Sequence[LayerSpec]) -> P
             deciding[index] = (override, f"{where}.", where)
 
     _reject_entries_that_decide_nothing(config, deciding)
-    layers = tuple(_plan_layer(spec, deciding[spec.index]) for spec in specs)
+    layers = tuple(
+        _with_routing(_plan_layer(spec, deciding[spec.index]), spec, config.save_collectives)
+        for spec in specs
+    )
     return Plan(layers=layers, config=config)
+
+
+def _with_routing(layer: LayerPlan, spec: LayerSpec, save_collectives: bool | str) -> LayerPlan:
+    if layer.mode == "none":
+        return layer
+    if save_collectives == "auto":
+        routes = layer.mode == "selective" or bool(ROUTING_UNITS & set(spec.interval_map.units))
+    else:
+        routes = bool(save_collectives)
+    return replace(layer, routing_saved=routes)
 
 
 def _reject_entries_that_decide_nothing(

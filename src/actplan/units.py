@@ -95,6 +95,18 @@ UNIT_DESCRIPTIONS: dict[RecomputeUnit, str] = {
 }
 
 
+ROUTING_UNITS: frozenset[RecomputeUnit] = frozenset(
+    {
+        RecomputeUnit.MOE_ROUTER,
+        RecomputeUnit.MOE_DISPATCH,
+        RecomputeUnit.MOE_COMBINE,
+        RecomputeUnit.SPARSE_INDEXER,
+    }
+)
+"""Units whose layers route tokens or share ids: a plain full recompute would
+rerun their top-k and collectives, so ``full`` keeps their routing outputs."""
+
+
 @dataclass(frozen=True, slots=True)
 class MarkerInterval:
     """A half-open span of a layer's forward between two markers.

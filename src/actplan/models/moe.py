@@ -1,0 +1,339 @@
+"""Reference mixture-of-experts decoder, with optional expert parallelism.
+
+Qwen3-MoE / DeepSeek style: the attention block of the dense model, then a top-k
+router (softmax or sigmoid scores, auxiliary load-balancing loss), token
+dispatch sorted by expert, per-expert SwiGLU GEMMs, an always-on shared expert,
+and a weighted combine. The first ``first_k_dense`` layers keep a dense MLP.
+
+With a process group of size R > 1 the experts are split across ranks and
+tokens travel with ``all_to_all_single_autograd`` (gloo on CPU, NCCL on GPU).
+Routing decisions (top-k, sort, token counts) and collective outputs are what
+the selective policy always saves, so a replay never re-routes or
+re-communicates. Imports only the marker, the vocabulary and the dense blocks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import ClassVar, Literal, TypedDict
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from actplan.markers import checkpoint_record
+from actplan.models.dense import Attention, DecoderLayer, DenseConfig, RMSNorm, rope_frequencies
+from actplan.units import MarkerInterval, RecomputeIntervalMap
+
+
+@dataclass(frozen=True)
+class MoEConfig(DenseConfig):
+    n_experts: int = 8
+    top_k: int = 2
+    expert_ffn_dim: int = 512
+    shared_expert_ffn_dim: int = 512  # 0: no shared expert
+    first_k_dense: int = 1
+    router: Literal["softmax", "sigmoid"] = "softmax"
+    aux_loss_coef: float = 0.01
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0 < self.top_k <= self.n_experts:
+            raise ValueError(f"top_k ({self.top_k}) must be between 1 and n_experts ({self.n_experts})")
+        if self.router not in ("softmax", "sigmoid"):
+            raise ValueError(f"router must be 'softmax' or 'sigmoid', got {self.router!r}")
+        if not 0 <= self.first_k_dense <= self.n_layers:
+            raise ValueError(
+                f"first_k_dense ({self.first_k_dense}) must be within 0..n_layers ({self.n_layers})"
+            )
+
+
+PRESETS: dict[str, MoEConfig] = {
+    "tiny": MoEConfig(
+        vocab_size=128,
+        dim=64,
+        n_layers=3,
+        n_heads=4,
+        n_kv_heads=2,
+        ffn_dim=128,
+        max_seq_len=64,
+        n_experts=4,
+        top_k=2,
+        expert_ffn_dim=64,
+        shared_expert_ffn_dim=32,
+        first_k_dense=1,
+        batch_size=2,
+        seq_len=16,
+    ),
+    # Roughly half a second per training step on two CPU cores: for the bench.
+    "small": MoEConfig(
+        vocab_size=4096,
+        dim=384,
+        n_layers=6,
+        n_heads=6,
+        n_kv_heads=2,
+        ffn_dim=1024,
+        n_experts=8,
+        top_k=2,
+        expert_ffn_dim=384,
+        shared_expert_ffn_dim=384,
+        first_k_dense=1,
+        batch_size=2,
+        seq_len=256,
+    ),
+}
+
+
+class MoELayerOutput(TypedDict):
+    hidden_states: torch.Tensor
+    aux_loss: torch.Tensor
+    expert_ids: torch.Tensor  # [tokens, top_k] routing decisions, for checks
+
+
+class ExpertGroup:
+    """Which experts this rank holds, and the process group that shares them out."""
+
+    def __init__(self, n_experts: int, group: dist.ProcessGroup | None = None) -> None:
+        self.group = group
+        self.size = dist.get_world_size(group) if group is not None else 1
+        self.rank = dist.get_rank(group) if group is not None else 0
+        if n_experts % self.size:
+            raise ValueError(
+                f"{n_experts} experts cannot be split evenly over an expert-parallel group of "
+                f"{self.size}; choose n_experts divisible by the group size"
+            )
+        self.n_local = n_experts // self.size
+        self.first = self.rank * self.n_local
+
+
+class MoE(nn.Module):
+    """Pre-norm routed experts plus a shared expert; returns the residual stream after them."""
+
+    intervals: ClassVar[dict[str, MarkerInterval | list[MarkerInterval]]] = {
+        "mlp_norm": MarkerInterval("mlp_norm", "moe_router"),
+        "moe_router": MarkerInterval("moe_router", "moe_dispatch"),
+        "moe_dispatch": MarkerInterval("moe_dispatch", "moe_experts"),
+        # gate/up GEMMs, then (after the activation) the down GEMMs
+        "moe_experts": [MarkerInterval("moe_experts", "moe_act"), MarkerInterval("moe_down", "moe_combine")],
+        "moe_act": MarkerInterval("moe_act", "moe_down"),
+        "moe_combine": MarkerInterval("moe_combine", "shared_experts"),
+        "shared_experts": MarkerInterval("shared_experts", "moe_residual"),
+    }
+
+    def __init__(self, config: MoEConfig, experts: ExpertGroup) -> None:
+        super().__init__()
+        self.config = config
+        self.experts = experts
+        d, f, n = config.dim, config.expert_ffn_dim, experts.n_local
+        self.mlp_norm = RMSNorm(d, config.norm_eps)
+        self.router = nn.Linear(d, config.n_experts, bias=False)
+        # Only this rank's experts: [local experts, in, out].
+        self.w_gate = nn.Parameter(torch.empty(n, d, f))
+        self.w_up = nn.Parameter(torch.empty(n, d, f))
+        self.w_down = nn.Parameter(torch.empty(n, f, d))
+        self.shared = None
+        if config.shared_expert_ffn_dim:
+            s = config.shared_expert_ffn_dim
+            self.shared = nn.ModuleDict(
+                {
+                    "gate_proj": nn.Linear(d, s, bias=False),
+                    "up_proj": nn.Linear(d, s, bias=False),
+                    "down_proj": nn.Linear(s, d, bias=False),
+                }
+            )
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Top-k expert ids and weights per token, tokens per expert, and the balance loss."""
+        cfg = self.config
+        logits = self.router(x).float()
+        scores = logits.softmax(-1) if cfg.router == "softmax" else logits.sigmoid()
+        weights, expert_ids = scores.topk(cfg.top_k, dim=-1)
+        weights = weights / weights.sum(-1, keepdim=True)
+        # Switch-style balance loss: experts' share of routed tokens times mean score.
+        tokens_per_expert = torch.bincount(expert_ids.flatten(), minlength=cfg.n_experts)
+        share = tokens_per_expert.float() / expert_ids.numel()
+        aux_loss = cfg.n_experts * (share * scores.mean(0)).sum()
+        return expert_ids, weights.type_as(x), tokens_per_expert, aux_loss
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        cfg = self.config
+        batch, seq, dim = hidden_states.shape
+        checkpoint_record("mlp_norm")
+        x = self.mlp_norm(hidden_states).reshape(batch * seq, dim)
+        checkpoint_record("moe_router")
+        expert_ids, weights, counts, aux_loss = self.route(x)
+
+        checkpoint_record("moe_dispatch")
+        flat_ids = expert_ids.flatten()
+        order = flat_ids.argsort(stable=True)  # token slots grouped by expert
+        token_of_slot = order // cfg.top_k
+        rows, local_counts, exchange = self._dispatch(x[token_of_slot], counts)
+
+        checkpoint_record("moe_experts")
+        chunks = rows.split(local_counts)
+        gates = [chunk @ self.w_gate[e] for e, chunk in enumerate(chunks)]
+        ups = [chunk @ self.w_up[e] for e, chunk in enumerate(chunks)]
+        checkpoint_record("moe_act")
+        acts = [F.silu(g) * u for g, u in zip(gates, ups, strict=True)]
+        checkpoint_record("moe_down")
+        outs = [a @ self.w_down[e] for e, a in enumerate(acts)]
+
+        checkpoint_record("moe_combine")
+        expert_out = self._return(torch.cat(outs), exchange)
+        slot_weights = weights.flatten()[order].unsqueeze(-1)
+        combined = torch.zeros_like(x).index_add(0, token_of_slot, expert_out * slot_weights)
+
+        checkpoint_record("shared_experts")
+        if self.shared is not None:
+            s = self.shared
+            combined = combined + s["down_proj"](F.silu(s["gate_proj"](x)) * s["up_proj"](x))
+        checkpoint_record("moe_residual")
+        return hidden_states + combined.view(batch, seq, dim), aux_loss, expert_ids
+
+    # -- expert parallelism -------------------------------------------------------------
+
+    def _dispatch(self, rows: torch.Tensor, counts: torch.Tensor):
+        """Send each row to the rank holding its expert; returns rows grouped by local expert."""
+        ep = self.experts
+        if ep.size == 1:
+            return rows, counts.tolist(), None
+        from torch.distributed import _functional_collectives as fc
+
+        send = counts.view(ep.size, ep.n_local)  # [destination rank, its local expert]
+        received = fc.all_to_all_single(send.flatten(), None, None, ep.group)
+        received = fc.wait_tensor(received).view(ep.size, ep.n_local)  # [source rank, my expert]
+        input_splits = send.sum(1).tolist()
+        output_splits = received.sum(1).tolist()
+        arrived = fc.all_to_all_single_autograd(rows, output_splits, input_splits, ep.group)
+        arrived = fc.wait_tensor(arrived)
+        # Arrived rows are ordered (source rank, expert); the GEMMs want (expert, source rank).
+        starts = (received.flatten().cumsum(0) - received.flatten()).view(ep.size, ep.n_local)
+        by_expert = torch.cat(
+            [
+                torch.arange(int(starts[r, e]), int(starts[r, e] + received[r, e]))
+                for e in range(ep.n_local)
+                for r in range(ep.size)
+            ]
+        ).to(rows.device)
+        return arrived[by_expert], received.sum(0).tolist(), (by_expert, input_splits, output_splits)
+
+    def _return(self, expert_out: torch.Tensor, exchange) -> torch.Tensor:
+        """Send expert outputs back to the ranks their tokens came from."""
+        if exchange is None:
+            return expert_out
+        from torch.distributed import _functional_collectives as fc
+
+        by_expert, input_splits, output_splits = exchange
+        arrival_order = torch.zeros_like(expert_out).index_copy(0, by_expert, expert_out)
+        back = fc.all_to_all_single_autograd(arrival_order, input_splits, output_splits, self.experts.group)
+        return fc.wait_tensor(back)
+
+
+class MoEDecoderLayer(nn.Module):
+    """Attention then routed experts, returning a TypedDict with the aux loss and routing."""
+
+    recompute_intervals: ClassVar[RecomputeIntervalMap] = RecomputeIntervalMap(
+        {**Attention.intervals, **MoE.intervals}
+    )
+
+    def __init__(self, config: MoEConfig, experts: ExpertGroup) -> None:
+        super().__init__()
+        self.attn = Attention(config)
+        self.moe = MoE(config, experts)
+
+    def forward(self, hidden_states: torch.Tensor, *, freqs_cis: torch.Tensor) -> MoELayerOutput:
+        hidden_states, aux_loss, expert_ids = self.moe(self.attn(hidden_states, freqs_cis))
+        return {"hidden_states": hidden_states, "aux_loss": aux_loss, "expert_ids": expert_ids}
+
+
+class MoEOutput(TypedDict):
+    loss: torch.Tensor | None
+    lm_loss: torch.Tensor | None
+    aux_loss: torch.Tensor
+    logits: torch.Tensor
+    expert_ids: list[torch.Tensor]
+
+
+class MoEModel(nn.Module):
+    def __init__(self, config: MoEConfig, ep_group: dist.ProcessGroup | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.expert_group = ExpertGroup(config.n_experts, ep_group)
+        self.embed = nn.Embedding(config.vocab_size, config.dim)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config) if i < config.first_k_dense else MoEDecoderLayer(config, self.expert_group)
+            for i in range(config.n_layers)
+        )
+        self.norm = RMSNorm(config.dim, config.norm_eps)
+        self.lm_head = nn.Linear(config.dim, config.vocab_size, bias=False)
+        self.register_buffer(
+            "freqs_cis",
+            rope_frequencies(config.head_dim, config.max_seq_len, config.rope_theta),
+            persistent=False,
+        )
+        self.reset_parameters()
+
+    def reset_parameters(self, seed: int = 0) -> None:
+        """Seeded init; an expert gets the same weights whichever rank holds it."""
+        gen = torch.Generator().manual_seed(seed)
+        ep = self.expert_group
+        std_out = 0.02 / math.sqrt(2 * self.config.n_layers)
+        with torch.no_grad():
+            for name, param in self.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.fill_(1.0)
+                    continue
+                std = std_out if name.endswith(("o_proj.weight", "down_proj.weight", "w_down")) else 0.02
+                if name.endswith(("w_gate", "w_up", "w_down")):
+                    # Draw every expert, keep this rank's slice.
+                    full = torch.empty(self.config.n_experts, *param.shape[1:]).normal_(
+                        0.0, std, generator=gen
+                    )
+                    param.copy_(full[ep.first : ep.first + ep.n_local])
+                else:
+                    param.normal_(0.0, std, generator=gen)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> MoEOutput:
+        seq = input_ids.shape[1]
+        hidden_states = self.embed(input_ids)
+        freqs_cis = self.freqs_cis[:seq]
+        aux_loss = hidden_states.new_zeros((), dtype=torch.float32)
+        expert_ids = []
+        for layer in self.layers:
+            out = layer(hidden_states, freqs_cis=freqs_cis)
+            hidden_states = out["hidden_states"]
+            if "aux_loss" in out:
+                aux_loss = aux_loss + out["aux_loss"]
+                expert_ids.append(out["expert_ids"])
+        logits = self.lm_head(self.norm(hidden_states))
+        lm_loss = loss = None
+        if labels is not None:
+            lm_loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+            loss = lm_loss + self.config.aux_loss_coef * aux_loss
+        return {
+            "loss": loss,
+            "lm_loss": lm_loss,
+            "aux_loss": aux_loss,
+            "logits": logits,
+            "expert_ids": expert_ids,
+        }
+
+
+def make_batch(config: MoEConfig, seed: int = 0, batch_size: int | None = None) -> dict[str, torch.Tensor]:
+    """Random token ids and next-token labels of the configured shape."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = batch_size or config.batch_size
+    ids = torch.randint(0, config.vocab_size, (rows, config.seq_len + 1), generator=gen)
+    return {"input_ids": ids[:, :-1].contiguous(), "labels": ids[:, 1:].contiguous()}
+
+
+def build(
+    size: str = "small", ep_group: dist.ProcessGroup | None = None, **overrides
+) -> tuple[MoEModel, MoEConfig]:
+    """The MoE reference model of a named size; ``ep_group`` splits its experts across ranks."""
+    if size not in PRESETS:
+        raise ValueError(f"unknown moe size {size!r}; choose one of {', '.join(PRESETS)}")
+    config = replace(PRESETS[size], **overrides)
+    return MoEModel(config, ep_group), config

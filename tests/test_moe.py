@@ -1,0 +1,131 @@
+"""The MoE reference model, single process: exactness, routing never recomputed."""
+
+import copy
+
+import pytest
+import torch
+
+import actplan
+from actplan.apply import find_layers, installed_plan
+from actplan.measure import OpCounter, capture_step, compare_steps
+from actplan.models import moe
+
+PRESETS = ["none", "full", "attn", "matmuls", "megatron-selective"]
+ROUTING_OPS = (torch.ops.aten.topk.default, torch.ops.aten.sort.stable, torch.ops.aten.bincount.default)
+
+
+def train_step(model, batch, seed=7):
+    torch.manual_seed(seed)
+    out = model(**batch)
+    out["loss"].backward()
+    extras = {f"expert_ids.{i}": ids for i, ids in enumerate(out["expert_ids"])}
+    return capture_step(model, out["loss"], extras=extras)
+
+
+@pytest.fixture(scope="module", params=["softmax", "sigmoid"])
+def bundle(request):
+    model, config = moe.build("tiny", dropout=0.1, router=request.param)
+    batch = moe.make_batch(config)
+    return model, batch, train_step(copy.deepcopy(model), batch)
+
+
+def run(bundle, config):
+    model, batch, baseline = bundle
+    candidate = copy.deepcopy(model)
+    actplan.apply(candidate, config)
+    with OpCounter() as counter:
+        capture = train_step(candidate, batch)
+    return compare_steps(baseline, capture), counter, candidate
+
+
+def test_layers_dense_first_then_moe():
+    model, config = moe.build("tiny")
+    classes = [type(layer).__name__ for _, layer in find_layers(model)]
+    assert classes == ["DecoderLayer"] * config.first_k_dense + ["MoEDecoderLayer"] * (
+        config.n_layers - config.first_k_dense
+    )
+
+
+def test_baseline_trains_every_parameter(bundle):
+    _, _, baseline = bundle
+    assert len(baseline.census.nonzero) == len(baseline.grads)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        *PRESETS,
+        {"mode": "selective", "keep": ["moe_experts"], "layers": "1-2"},
+        {"mode": "selective", "keep": ["moe_act", "moe_dispatch", "moe_combine"], "layers": "1-2"},
+        {"mode": "selective", "recompute": ["moe_experts", "shared_experts"], "layers": "1-2"},
+        {"preset": "matmuls", "overrides": [{"layers": "2", "keep": ["moe_router", "shared_experts"]}]},
+    ],
+    ids=str,
+)
+def test_plans_are_exact_and_route_identically(bundle, config):
+    report, _, _ = run(bundle, config)
+    assert report.loss_identical and report.max_abs_grad_diff == 0.0
+    assert report.census_match, report.census_diff
+    assert report.extras_match, report.extras_mismatches
+    assert report.ok
+
+
+@pytest.mark.parametrize("config", PRESETS[1:])
+def test_routing_ops_run_once_under_every_plan(bundle, config):
+    # Forward only: the replay takes top-k, the expert sort and the token counts from
+    # the cache, so it cannot route differently.
+    _, counts_none, _ = run(bundle, "none")
+    _, counts, candidate = run(bundle, config)
+    for op in ROUTING_OPS:
+        assert counts[op] == counts_none[op] > 0, op
+    assert all(layer.routing_saved for layer in installed_plan(candidate).layers[1:])
+
+
+def test_save_collectives_false_lets_full_recompute_reroute(bundle):
+    _, counts_none, _ = run(bundle, "none")
+    report, counts, candidate = run(bundle, {"mode": "full", "save_collectives": False})
+    assert report.ok  # deterministic here, but the router ran again
+    assert counts[torch.ops.aten.topk.default] == 2 * counts_none[torch.ops.aten.topk.default]
+    assert not any(layer.routing_saved for layer in installed_plan(candidate).layers)
+
+
+def test_dense_full_layers_stay_plain_checkpoints_unless_asked():
+    model, _ = moe.build("tiny")
+    plan = actplan.plan_for(model, "full")
+    assert [layer.routing_saved for layer in plan.layers] == [False, True, True]
+    plan = actplan.plan_for(model, {"mode": "full", "save_collectives": True})
+    assert all(layer.routing_saved for layer in plan.layers)
+
+
+def test_exact_score_ties_route_identically_in_forward_and_recompute():
+    # A zero router makes every expert score equal: top-k then breaks ties, and a
+    # recomputed router could break them differently; the saved one cannot.
+    model, config = moe.build("tiny")
+    with torch.no_grad():
+        for _, layer in find_layers(model):
+            if hasattr(layer, "moe"):
+                layer.moe.router.weight.zero_()
+    batch = moe.make_batch(config)
+    baseline = train_step(copy.deepcopy(model), batch)
+    assert all((ids == ids[0]).all() for ids in baseline.extras.values()), "scores must tie"
+    for plan in ("full", "matmuls", {"mode": "selective", "keep": ["moe_experts"], "layers": "1-2"}):
+        candidate = copy.deepcopy(model)
+        actplan.apply(candidate, plan)
+        report = compare_steps(baseline, train_step(candidate, batch))
+        assert report.ok, (plan, report.worst_param, report.extras_mismatches)
+
+
+def test_aux_loss_reaches_the_router():
+    model, config = moe.build("tiny", aux_loss_coef=1.0)
+    batch = moe.make_batch(config)
+    out = model(**batch)
+    out["aux_loss"].backward()
+    router = find_layers(model)[1][1].moe.router.weight
+    assert router.grad is not None and router.grad.abs().sum() > 0
+
+
+def test_config_errors_name_the_fix():
+    with pytest.raises(ValueError, match="top_k"):
+        moe.build("tiny", top_k=9)
+    with pytest.raises(ValueError, match="router must be"):
+        moe.build("tiny", router="relu")

@@ -539,3 +539,14 @@ def test_layers_none_without_overrides_is_an_error():
     for data in ({"layers": "none"}, {"preset": "matmuls", "layers": "none"}):
         with pytest.raises(ConfigError, match=r"checkpoints nothing.*preset: none"):
             RecomputeConfig.from_dict(data)
+
+
+def test_save_collectives_round_trips_and_rejects_no_effect():
+    config = RecomputeConfig.from_dict({"mode": "full", "save_collectives": True})
+    assert config.to_dict() == {"save_collectives": True}
+    assert RecomputeConfig.from_yaml(config.to_yaml()) == config
+    assert RecomputeConfig.from_dict({}).save_collectives == "auto"
+    with pytest.raises(ConfigError, match="save_collectives: False is given with mode 'none'"):
+        RecomputeConfig.from_dict({"mode": "none", "save_collectives": False})
+    with pytest.raises(ConfigError, match="save_collectives"):
+        RecomputeConfig.from_dict({"save_collectives": "sometimes"})

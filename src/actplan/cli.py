@@ -107,12 +107,19 @@ def _explain(args: argparse.Namespace, console: Console) -> int:
     bundle = build_model(args.model, args.size)
     plan = plan_for(bundle.model, args.config)
     table = Table(title=f"plan for {bundle.description}", caption=plan.summary())
-    for column in ("layer", "module", "class", "mode", "kept units", "from"):
+    for column in ("layer", "module", "class", "mode", "kept units", "routing saved", "from"):
         table.add_column(column)
     for layer in plan.layers:
         kept = ", ".join(u.value for u in layer.kept_units) if layer.mode == "selective" else "-"
+        routing = "-" if layer.mode == "none" else ("yes" if layer.routing_saved else "no")
         table.add_row(
-            str(layer.index), layer.name, layer.class_name, layer.mode, kept or "(none)", layer.source
+            str(layer.index),
+            layer.name,
+            layer.class_name,
+            layer.mode,
+            kept or "(none)",
+            routing,
+            layer.source,
         )
     console.print(table)
     return 0

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from actplan.models import dense
+from actplan.models import dense, moe, mtp
 
 
 @dataclass
@@ -46,8 +46,40 @@ def _build_dense(size: str, **overrides) -> ModelBundle:
     )
 
 
+def _build_moe(size: str, **overrides) -> ModelBundle:
+    model, config = moe.build(size, **overrides)
+    return ModelBundle(
+        name="moe",
+        size=size,
+        model=model,
+        make_batch=lambda seed=0: moe.make_batch(config, seed),
+        description=(
+            f"moe {size}: {config.n_layers} layers ({config.first_k_dense} dense), dim {config.dim}, "
+            f"{config.n_experts} experts top-{config.top_k} (ffn {config.expert_ffn_dim}), shared expert "
+            f"{config.shared_expert_ffn_dim}, {config.router} router, "
+            f"batch {config.batch_size}x{config.seq_len}"
+        ),
+    )
+
+
+def _build_mtp(size: str, **overrides) -> ModelBundle:
+    model, config = mtp.build(size, **overrides)
+    return ModelBundle(
+        name="mtp",
+        size=size,
+        model=model,
+        make_batch=lambda seed=0: mtp.make_batch(config, seed),
+        description=(
+            f"mtp {size}: {config.n_layers} layers + {config.mtp_depths} prediction depths, "
+            f"dim {config.dim}, vocab {config.vocab_size}, batch {config.batch_size}x{config.seq_len}"
+        ),
+    )
+
+
 MODELS: dict[str, tuple[Callable[..., ModelBundle], tuple[str, ...]]] = {
     "dense": (_build_dense, tuple(dense.PRESETS)),
+    "moe": (_build_moe, tuple(moe.PRESETS)),
+    "mtp": (_build_mtp, tuple(mtp.PRESETS)),
 }
 
 

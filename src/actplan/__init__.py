@@ -12,6 +12,7 @@ from actplan.boundary import (
 )
 from actplan.config import PRESETS, ConfigError, LayerSelector, RecomputeConfig
 from actplan.markers import checkpoint_record
+from actplan.parallel import parallelize
 from actplan.plan import LayerPlan, Plan
 from actplan.policy import IntervalPolicy, KeptTensorMutatedError, MarkerError
 from actplan.units import UNIT_DESCRIPTIONS, MarkerInterval, RecomputeIntervalMap, RecomputeUnit
@@ -38,6 +39,7 @@ __all__ = [
     "find_layers",
     "installed_plan",
     "is_checkpointed",
+    "parallelize",
     "plan_for",
     "remove",
     "remove_gradient_checkpointing",

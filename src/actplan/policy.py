@@ -186,6 +186,9 @@ class IntervalPolicy:
         self._opens = {m: tuple(v) for m, v in opens.items()}
         self._closes = {m: tuple(v) for m, v in closes.items()}
         self._warned_idle: set[MarkerInterval] = set()
+        # Kept intervals that ran in any layer sharing this policy (a consumer layer
+        # may legitimately skip what its source layer runs).
+        self._ever_ran: set[MarkerInterval] = set()
         self.context_fn = functools.partial(_region_contexts, self)
 
     def open_region(self, layer_name: str | None = None) -> tuple[functools.partial, Callable[[str], None]]:
@@ -378,6 +381,7 @@ class _Region:
             if span in policy.kept_intervals:
                 self.kept.append(span)
                 self.kept_seen.add(span)
+                policy._ever_ran.add(span)
 
     def _finish(self) -> None:
         self.finished = True
@@ -387,5 +391,7 @@ class _Region:
                 f"{self.layer_name}: unbalanced markers: {self.policy.describe(span)} is "
                 f"still open when the forward returns; expected marker {span.end!r}"
             )
-        for span in self.policy.kept_intervals - self.kept_seen:
-            self.policy.warn_idle(span, self.layer_name, f"never ran (marker {span.start!r} was not emitted)")
+        for span in self.policy.kept_intervals - self.kept_seen - self.policy._ever_ran:
+            self.policy.warn_idle(
+                span, self.layer_name, f"never ran (marker {span.start!r} was not emitted) in any layer yet"
+            )

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from actplan.models import dense, moe, mtp
+from actplan.models import dense, moe, mtp, sparse
 
 
 @dataclass
@@ -76,10 +76,25 @@ def _build_mtp(size: str, **overrides) -> ModelBundle:
     )
 
 
+def _build_sparse(size: str, **overrides) -> ModelBundle:
+    model, config = sparse.build(size, **overrides)
+    return ModelBundle(
+        name="sparse",
+        size=size,
+        model=model,
+        make_batch=lambda seed=0: sparse.make_batch(config, seed),
+        description=(
+            f"sparse {size}: {config.n_layers} layers, indexer every {config.index_every} "
+            f"(top-{config.index_topk} keys), dim {config.dim}, batch {config.batch_size}x{config.seq_len}"
+        ),
+    )
+
+
 MODELS: dict[str, tuple[Callable[..., ModelBundle], tuple[str, ...]]] = {
     "dense": (_build_dense, tuple(dense.PRESETS)),
     "moe": (_build_moe, tuple(moe.PRESETS)),
     "mtp": (_build_mtp, tuple(mtp.PRESETS)),
+    "sparse": (_build_sparse, tuple(sparse.PRESETS)),
 }
 
 

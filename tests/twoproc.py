@@ -1,0 +1,59 @@
+"""Launch a worker script on two CPU ranks (gloo) under torchrun and read its JSON result.
+
+Shared by the multi-process tests. A failing or hanging rank fails the calling test
+with the ranks' own output, not a bare exit code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _rank_errors(stderr: str) -> str:
+    """The ranks' own output lines (tracebacks), without torch's log lines."""
+    lines = [
+        line
+        for line in stderr.splitlines()
+        if line.startswith("[rank") and not re.match(r"\[rank\d+\]:[WI]\d{4} ", line)
+    ]
+    return "\n".join(lines[-150:])
+
+
+def run_two_ranks(worker: Path, args: list[str], out: Path, timeout: float = 180) -> object:
+    """Run ``worker args... out`` on 2 ranks; return the JSON rank 0 wrote to ``out``."""
+    # --standalone: a local rendezvous on a port the OS picks, so parallel runs never collide.
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    process = subprocess.Popen(
+        [*command, str(worker), *args, str(out)],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)  # torchrun and the ranks it started
+        stdout, stderr = process.communicate()
+        pytest.fail(
+            f"{worker.name} {args} timed out after {timeout}s\n{_rank_errors(stderr)}\n{stderr[-3000:]}"
+        )
+    if process.returncode != 0 or not out.exists():
+        pytest.fail(
+            f"{worker.name} {args} failed (exit {process.returncode})\n{_rank_errors(stderr)}\n"
+            f"{stderr[-3000:]}\n{stdout[-2000:]}"
+        )
+    return json.loads(out.read_text())

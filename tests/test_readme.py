@@ -1,20 +1,25 @@
-"""The README's Python tour runs as written, and its claim of identical gradients holds."""
+"""The README's Python tour runs as written, and its claims of exactness hold."""
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 import actplan
 
 README = Path(__file__).resolve().parents[1] / "README.md"
+BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+LOCAL = [block for block in BLOCKS if "torchrun" not in block]
+DISTRIBUTED = [block for block in BLOCKS if "torchrun" in block]
 
 
 def test_readme_python_blocks_run_and_are_exact():
-    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
-    assert len(blocks) >= 2
+    assert len(LOCAL) >= 2
     namespace: dict = {}
-    for block in blocks:
+    for block in LOCAL:
         exec(compile(block, str(README), "exec"), namespace)
     model_cls = namespace["Model"]
 
@@ -30,3 +35,21 @@ def test_readme_python_blocks_run_and_are_exact():
     baseline = grads(None)
     for config in ("full", {"mode": "selective", "keep": ["mlp_up"], "layers": "0-2"}):
         assert all(torch.equal(a, b) for a, b in zip(grads(config), baseline, strict=True))
+
+
+@pytest.mark.slow
+def test_readme_distributed_example_runs_on_two_ranks(tmp_path):
+    assert len(DISTRIBUTED) == 1
+    script = tmp_path / "train.py"
+    script.write_text(DISTRIBUTED[0])
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(script),
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]

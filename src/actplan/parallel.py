@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
@@ -53,10 +54,16 @@ def parallelize(
     sharding lets dynamo see the checkpointed forward as one graph while FSDP's
     hooks stay outside it.
 
-    Expert parallelism: not yet. When the MoE model lands, its expert groups are
-    placed here first (``all_to_all`` dispatch over an EP mesh, expert weights
-    sharded on it), before step 1, as torchtitan places TP/EP before
-    checkpointing, and the EP mesh becomes an argument of this function.
+    Expert parallelism: a model built with an expert-parallel group (for example
+    ``moe.build(size, ep_group=group)``) holds different experts on different
+    ranks, in modules that expose ``expert_parallel_group``. Their weights are
+    left out of FSDP (no other rank holds them to shard or average with: the
+    expert-parallel group must span every rank for now), and their gradients,
+    which the all-to-all backward sums over all ranks' tokens, are divided by the
+    world size so they match FSDP's averaged ones. They are not put in FSDP
+    groups of their own either: such a group's unshard would run inside the
+    checkpointed layer, where the replay would meet it. Expert-parallel layers
+    cannot be compiled yet (their per-expert splits are data-dependent).
 
     Args:
         model: the model, unsharded, with its parameters already on the mesh's
@@ -86,18 +93,52 @@ def parallelize(
     """
     compile_options = _compile_options(compile)
     _check_inputs(model, mesh)
+    expert_params = _expert_parallel_params(model, mesh, compile_options is not None)
 
-    # (Expert parallelism goes here, before checkpointing; see the docstring.)
     # apply resolves the config before touching the model: a bad one changes nothing.
     plan = apply(model, config)
     for _, layer in find_layers(model):
         if compile_options is not None:
             layer.compile(**compile_options)
         if layer is not model:  # a model that is itself one layer is sharded once, as the root
-            fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward)
+            fully_shard(
+                layer,
+                mesh=mesh,
+                reshard_after_forward=reshard_after_forward,
+                ignored_params={p for p in layer.parameters() if p in expert_params} or None,
+            )
     # The root keeps FSDP's default: not resharded after forward, as backward starts with its head.
-    fully_shard(model, mesh=mesh)
+    fully_shard(model, mesh=mesh, ignored_params=expert_params or None)
+    world = mesh.size()
+    for param in expert_params:
+        # The all-to-all backward summed every rank's tokens into it; FSDP averages the rest.
+        param.register_hook(lambda grad: grad / world)
     return plan
+
+
+def _expert_parallel_params(model: nn.Module, mesh: DeviceMesh, compiling: bool) -> set[nn.Parameter]:
+    """Parameters of modules that hold this rank's own experts (checked against the mesh)."""
+    expert_modules = [m for m in model.modules() if getattr(m, "expert_parallel_group", None) is not None]
+    if not expert_modules:
+        return set()
+    if compiling:
+        raise ValueError(
+            "expert-parallel layers cannot be compiled with fullgraph=True yet: their per-expert "
+            "token splits are data-dependent; call parallelize with compile=False"
+        )
+    groups = {id(m.expert_parallel_group): m.expert_parallel_group for m in expert_modules}
+    if len(groups) != 1:
+        raise ValueError("every expert-parallel module must use the same expert-parallel process group")
+    group = next(iter(groups.values()))
+    ep_size, world = dist.get_world_size(group), dist.get_world_size()
+    if mesh.size() != world or ep_size != world:
+        raise ValueError(
+            f"parallelize supports expert parallelism over every rank for now: the FSDP mesh has "
+            f"{mesh.size()} ranks and the expert-parallel group {ep_size}, of {world} in all (experts "
+            "replicated over data-parallel groups would need averaging that is not there yet); build the "
+            "model with an ep_group and a mesh covering all ranks"
+        )
+    return {p for m in expert_modules for p in m.parameters()}
 
 
 def _compile_options(compile: bool | Mapping[str, Any]) -> dict[str, Any] | None:

@@ -1,6 +1,7 @@
 """Two-rank expert-parallel MoE worker, launched by tests/test_moe_ep.py under torchrun.
 
-Usage: moe_ep_worker.py PLAN OUT_JSON (PLAN: a preset name or a JSON config).
+Usage: moe_ep_worker.py PLAN [fsdp] OUT_JSON (PLAN: a preset name or a JSON config;
+with ``fsdp`` the model goes through ``actplan.parallelize`` on a 2-rank mesh).
 Every rank builds the single-process model on the global batch as the reference,
 then the expert-parallel model (experts split over ranks, tokens exchanged with
 all_to_all) on its half of the batch under PLAN, and compares: loss, every
@@ -12,11 +13,15 @@ the findings as JSON.
 
 from __future__ import annotations
 
+import faulthandler
 import json
+import os
 import sys
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 
 import actplan
 from actplan.measure import MemoryMeter, OpCounter
@@ -29,7 +34,8 @@ def collectives(counter: OpCounter) -> int:
     return sum(n for op, n in counter.counts.items() if getattr(op, "namespace", "") in COLLECTIVE_NAMESPACES)
 
 
-def main(plan: str, out_path: str) -> None:
+def main(plan: str, fsdp: bool, out_path: str) -> None:
+    faulthandler.enable()  # a rank that aborts in C++ still shows its Python stack
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
@@ -43,8 +49,11 @@ def main(plan: str, out_path: str) -> None:
     out_ref["loss"].backward()
 
     model, _ = moe.build("tiny", ep_group=dist.group.WORLD, **config_overrides)
-    if plan != "none":
-        actplan.apply(model, json.loads(plan) if plan.startswith("{") else plan)
+    config_arg = json.loads(plan) if plan.startswith("{") else plan
+    if fsdp:
+        actplan.parallelize(model, init_device_mesh("cpu", (world,)), config_arg)
+    elif plan != "none":
+        actplan.apply(model, config_arg)
     with OpCounter() as forward_ops:
         out = model(**mine)
     with OpCounter() as backward_ops:
@@ -61,14 +70,16 @@ def main(plan: str, out_path: str) -> None:
         if param.grad is None:
             missing.append(name)
             continue
-        grad = param.grad.clone()
-        if name.endswith(("w_gate", "w_up", "w_down")):
-            # Each rank's backward adds its tokens' share into the owner's experts.
-            want = ref_param.grad[ep.first : ep.first + ep.n_local] * world
-        else:
+        expert = name.endswith(("w_gate", "w_up", "w_down"))
+        # FSDP averaged the replicated gradients over ranks; without it, do that here.
+        grad = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad.clone()
+        if not expert and not fsdp:
             dist.all_reduce(grad)
             grad /= world
-            want = ref_param.grad
+        # Each rank's backward adds its tokens' share into the owner's experts; under
+        # parallelize a hook divides that sum by the world size, like FSDP's average.
+        expert_scale = 1 if fsdp else world
+        want = ref_param.grad[ep.first : ep.first + ep.n_local] * expert_scale if expert else ref_param.grad
         diff = (grad - want).abs().max().item()
         if diff > worst:
             worst, worst_name = diff, name
@@ -111,7 +122,13 @@ def main(plan: str, out_path: str) -> None:
             json.dump(gathered, f)
     dist.barrier()
     dist.destroy_process_group()
+    # torch 2.13 on gloo sometimes aborts in C++ during interpreter shutdown after
+    # functional all-to-alls ("terminate called without an active exception", no
+    # Python frame). The results are written and the group is gone: leave now.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2] == "fsdp", sys.argv[-1])

@@ -108,6 +108,38 @@ class ExpertGroup:
         self.first = self.rank * self.n_local
 
 
+class GroupedExperts(nn.Module):
+    """This rank's experts: SwiGLU weights stacked as [local experts, in, out].
+
+    ``expert_parallel_group`` tells ``actplan.parallelize`` that these weights are
+    split across ranks (each rank holds different experts), so they must not be
+    averaged with the other ranks' like replicated parameters.
+    """
+
+    def __init__(self, config: MoEConfig, ep: ExpertGroup) -> None:
+        super().__init__()
+        d, f, n = config.dim, config.expert_ffn_dim, ep.n_local
+        self.ep = ep
+        self.w_gate = nn.Parameter(torch.empty(n, d, f))
+        self.w_up = nn.Parameter(torch.empty(n, d, f))
+        self.w_down = nn.Parameter(torch.empty(n, f, d))
+
+    @property
+    def expert_parallel_group(self) -> dist.ProcessGroup | None:
+        return self.ep.group if self.ep.size > 1 else None
+
+    def forward(self, rows: torch.Tensor, counts: list[int]) -> list[torch.Tensor]:
+        """Each expert's output rows, in expert order."""
+        chunks = rows.split(counts)
+        checkpoint_record("moe_experts")
+        gates = [chunk @ self.w_gate[e] for e, chunk in enumerate(chunks)]
+        ups = [chunk @ self.w_up[e] for e, chunk in enumerate(chunks)]
+        checkpoint_record("moe_act")
+        acts = [F.silu(g) * u for g, u in zip(gates, ups, strict=True)]
+        checkpoint_record("moe_down")
+        return [a @ self.w_down[e] for e, a in enumerate(acts)]
+
+
 class MoE(nn.Module):
     """Pre-norm routed experts plus a shared expert; returns the residual stream after them."""
 
@@ -122,17 +154,14 @@ class MoE(nn.Module):
         "shared_experts": MarkerInterval("shared_experts", "moe_residual"),
     }
 
-    def __init__(self, config: MoEConfig, experts: ExpertGroup) -> None:
+    def __init__(self, config: MoEConfig, ep: ExpertGroup) -> None:
         super().__init__()
         self.config = config
-        self.experts = experts
-        d, f, n = config.dim, config.expert_ffn_dim, experts.n_local
+        self.ep = ep
+        d = config.dim
         self.mlp_norm = RMSNorm(d, config.norm_eps)
         self.router = nn.Linear(d, config.n_experts, bias=False)
-        # Only this rank's experts: [local experts, in, out].
-        self.w_gate = nn.Parameter(torch.empty(n, d, f))
-        self.w_up = nn.Parameter(torch.empty(n, d, f))
-        self.w_down = nn.Parameter(torch.empty(n, f, d))
+        self.experts = GroupedExperts(config, ep)
         self.shared = None
         if config.shared_expert_ffn_dim:
             s = config.shared_expert_ffn_dim
@@ -170,15 +199,7 @@ class MoE(nn.Module):
         order = flat_ids.argsort(stable=True)  # token slots grouped by expert
         token_of_slot = order // cfg.top_k
         rows, local_counts, exchange = self._dispatch(x[token_of_slot], counts)
-
-        checkpoint_record("moe_experts")
-        chunks = rows.split(local_counts)
-        gates = [chunk @ self.w_gate[e] for e, chunk in enumerate(chunks)]
-        ups = [chunk @ self.w_up[e] for e, chunk in enumerate(chunks)]
-        checkpoint_record("moe_act")
-        acts = [F.silu(g) * u for g, u in zip(gates, ups, strict=True)]
-        checkpoint_record("moe_down")
-        outs = [a @ self.w_down[e] for e, a in enumerate(acts)]
+        outs = self.experts(rows, local_counts)
 
         checkpoint_record("moe_combine")
         expert_out = self._return(torch.cat(outs), exchange)
@@ -196,7 +217,7 @@ class MoE(nn.Module):
 
     def _dispatch(self, rows: torch.Tensor, counts: torch.Tensor):
         """Send each row to the rank holding its expert; returns rows grouped by local expert."""
-        ep = self.experts
+        ep = self.ep
         if ep.size == 1:
             return rows, counts.tolist(), None
         from torch.distributed import _functional_collectives as fc
@@ -227,7 +248,7 @@ class MoE(nn.Module):
 
         by_expert, input_splits, output_splits = exchange
         arrival_order = torch.zeros_like(expert_out).index_copy(0, by_expert, expert_out)
-        back = fc.all_to_all_single_autograd(arrival_order, input_splits, output_splits, self.experts.group)
+        back = fc.all_to_all_single_autograd(arrival_order, input_splits, output_splits, self.ep.group)
         return fc.wait_tensor(back)
 
 

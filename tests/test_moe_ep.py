@@ -86,3 +86,28 @@ def test_memory_stays_flat_over_20_steps(results, plan):
         # transient tensor awaiting collection may show once.
         assert len(live) == 20 and live[-1] <= live[0]
         assert max(live) <= live[0] + 0.1 * rank["peak_live_bytes"]
+
+
+def test_distributed_bench_reports_parity_and_per_rank_memory(tmp_path):
+    args = [
+        "bench",
+        "--model",
+        "moe",
+        "--size",
+        "tiny",
+        "--ep",
+        "2",
+        "--repeats",
+        "1",
+        "--warmup",
+        "0",
+        "--quiet",
+        "--json",
+    ]
+    result = run_two_ranks("-m actplan", args, tmp_path / "bench.json")
+    rows = {row["name"]: row for row in result["rows"]}
+    assert set(rows) == {"none", "full", "attn", "matmuls", "megatron-selective"}
+    for row in rows.values():
+        assert row["loss_identical"] and row["census_match"] and row["max_abs_grad_diff"] == 0.0
+        assert len(row["per_rank_memory"]) == 2 and all(act > 0 for act, _ in row["per_rank_memory"])
+    assert rows["full"]["activation_bytes"] < rows["none"]["activation_bytes"]

@@ -29,13 +29,16 @@ def _rank_errors(stderr: str) -> str:
     return "\n".join(lines[-150:])
 
 
-def run_two_ranks(worker: Path, args: list[str], out: Path, timeout: float = 180) -> object:
-    """Run ``worker args... out`` on 2 ranks; return the JSON rank 0 wrote to ``out``."""
+def run_two_ranks(worker: Path | str, args: list[str], out: Path, timeout: float = 180) -> object:
+    """Run ``worker args... out`` on 2 ranks; return the JSON rank 0 wrote to ``out``.
+
+    ``worker`` is a script path, or a module name given as ``"-m actplan"``.
+    """
     # --standalone: a local rendezvous on a port the OS picks, so parallel runs never collide.
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     process = subprocess.Popen(
-        [*command, str(worker), *args, str(out)],
+        [*command, *(worker.split() if isinstance(worker, str) else [str(worker)]), *args, str(out)],
         cwd=REPO,
         env=env,
         stdout=subprocess.PIPE,
@@ -49,11 +52,12 @@ def run_two_ranks(worker: Path, args: list[str], out: Path, timeout: float = 180
         os.killpg(process.pid, signal.SIGKILL)  # torchrun and the ranks it started
         stdout, stderr = process.communicate()
         pytest.fail(
-            f"{worker.name} {args} timed out after {timeout}s\n{_rank_errors(stderr)}\n{stderr[-3000:]}"
+            f"{Path(str(worker)).name} {args} timed out after {timeout}s\n"
+            f"{_rank_errors(stderr)}\n{stderr[-3000:]}"
         )
     if process.returncode != 0 or not out.exists():
         pytest.fail(
-            f"{worker.name} {args} failed (exit {process.returncode})\n{_rank_errors(stderr)}\n"
+            f"{Path(str(worker)).name} {args} failed (exit {process.returncode})\n{_rank_errors(stderr)}\n"
             f"{stderr[-3000:]}\n{stdout[-2000:]}"
         )
     return json.loads(out.read_text())

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -60,6 +61,8 @@ class PolicyRow:
     step_q75_s: float
     ratio_to_none: float
     ratio_spread: float
+    # Expert-parallel runs: every rank's (activation bytes, peak bytes), rank order.
+    per_rank_memory: list[tuple[int, int]] | None = None
 
 
 @dataclass
@@ -85,6 +88,25 @@ class BenchResult:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def _check_expert_parallel(ep: int, model: str) -> int:
+    if model != "moe":
+        raise ValueError(f"--ep needs a model with experts; {model!r} has none (use --model moe)")
+    if not dist.is_initialized() or dist.get_world_size() != ep:
+        raise ValueError(
+            f"--ep {ep} runs one rank per expert-parallel shard: launch with "
+            f"`torchrun --nproc-per-node {ep} -m actplan bench --model moe --ep {ep}`"
+        )
+    return dist.get_rank()
+
+
+def _gather_per_rank_memory(rows: list[PolicyRow]) -> None:
+    mine = [(row.activation_bytes, row.peak_bytes) for row in rows]
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    for position, row in enumerate(rows):
+        row.per_rank_memory = [tuple(rank_rows[position]) for rank_rows in everyone]
 
 
 def _torch_checkpoint_every_layer(model: nn.Module) -> None:
@@ -180,6 +202,7 @@ def run_bench(
     overhead_repeats: int = 12,
     device: str = "auto",
     reference: bool = True,
+    ep: int = 1,
     progress: Callable[[str, int], None] | None = None,
     command: str | None = None,
 ) -> BenchResult:
@@ -188,10 +211,23 @@ def run_bench(
     ``overhead_repeats`` extra rounds time only ``full`` against the plain
     ``torch.utils.checkpoint`` row: the two do identical work, so their ratio
     needs more pairs than the table to rise above the noise of a shared CPU.
+
+    ``ep > 1`` runs under ``torchrun`` with that many ranks (the process group
+    initialised by the caller): the model's experts are split over the ranks,
+    each rank trains on its own batch, parity is checked rank by rank against
+    the expert-parallel ``none`` run, and memory is reported per rank. The plain
+    ``torch.utils.checkpoint`` reference row is left out there (it would replay
+    the all-to-alls).
     """
     dev = _device(device)
-    bundle = build_model(model, size)
-    batch = {k: v.to(dev) for k, v in bundle.make_batch(0).items()}
+    rank = 0
+    if ep > 1:
+        rank = _check_expert_parallel(ep, model)
+        bundle = build_model(model, size, ep_group=dist.group.WORLD)
+        reference = False
+    else:
+        bundle = build_model(model, size)
+    batch = {k: v.to(dev) for k, v in bundle.make_batch(rank).items()}
     entries: list[tuple[str, RecomputeConfig | None]] = [("none", RecomputeConfig.from_preset("none"))]
     entries += [(p, RecomputeConfig.parse(p)) for p in policies if p != "none"]
     entries += [(Path(c).stem, RecomputeConfig.from_file(c)) for c in configs]
@@ -262,6 +298,8 @@ def run_bench(
                 ratio_spread=rel.spread,
             )
         )
+    if ep > 1:
+        _gather_per_rank_memory(rows)
     overhead = None
     if measure_overhead:
         by_name = {c.name: c for c in contenders}
@@ -381,6 +419,13 @@ def to_markdown(result: BenchResult) -> str:
             f"{'match' if r.census_match else 'MISMATCH'} | {mib(r.activation_bytes)} | {rel:.2f} | "
             f"{mib(r.peak_bytes)} | {r.step_median_s:.3f} | {r.ratio_to_none:.3f} ± {r.ratio_spread:.3f} |"
         )
+    if any(r.per_rank_memory for r in result.rows):
+        lines += ["", "## Per-rank memory (activations @ fwd end / peak, MiB)", ""]
+        for r in result.rows:
+            per_rank = ", ".join(
+                f"rank {i}: {mib(a)} / {mib(p)}" for i, (a, p) in enumerate(r.per_rank_memory)
+            )
+            lines.append(f"- {r.name}: {per_rank}")
     if result.goals:
         lines += ["", "## Goals", ""]
     for g in result.goals:

@@ -19,6 +19,43 @@ from actplan.models import MODELS
 
 
 def _bench(args: argparse.Namespace, console: Console) -> int:
+    if args.ep > 1:
+        return _bench_expert_parallel(args, console)
+    return _run_and_report(args, console)
+
+
+def _bench_expert_parallel(args: argparse.Namespace, console: Console) -> int:
+    """Under torchrun: one rank per expert shard; rank 0 reports."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    if "RANK" not in os.environ:
+        raise ValueError(
+            f"--ep {args.ep} needs one process per rank: run "
+            f"`torchrun --nproc-per-node {args.ep} -m actplan bench --model {args.model} --ep {args.ep}`"
+        )
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    try:
+        if dist.get_rank() != 0:
+            args.quiet, args.json, args.markdown = True, None, None
+            console = Console(file=open(os.devnull, "w"))  # noqa: SIM115 - lives until exit
+        code = _run_and_report(args, console)
+        codes: list = [None] * dist.get_world_size()
+        dist.all_gather_object(codes, code)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    # torch 2.13 on gloo sometimes aborts in C++ while the interpreter shuts down
+    # after functional all-to-alls ("terminate called without an active exception").
+    # Everything is reported and the group is gone: exit before that can happen.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(max(codes))
+
+
+def _run_and_report(args: argparse.Namespace, console: Console) -> int:
     policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
     with Progress(
         TextColumn("[bold]{task.description:<32}"),
@@ -44,6 +81,7 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
             overhead_repeats=args.overhead_repeats,
             device=args.device,
             reference=not args.no_reference,
+            ep=args.ep,
             progress=tick,
             command="actplan " + " ".join(sys.argv[1:]) if sys.argv[1:] else "actplan bench",
         )
@@ -83,8 +121,12 @@ def bench_table(result: BenchResult) -> Table:
         "time vs none",
     ):
         table.add_column(column, justify="left" if column == "policy" else "right", no_wrap=True)
+    expert_parallel = any(r.per_rank_memory for r in result.rows)
+    if expert_parallel:
+        table.add_column("per-rank act./peak MiB", justify="right", no_wrap=True)
     none = result.row("none")
     for r in result.rows:
+        per_rank = [" | ".join(f"{mib(a)}/{mib(p)}" for a, p in r.per_rank_memory)] if expert_parallel else []
         table.add_row(
             r.name,
             "[green]yes[/]" if r.loss_identical else "[red]NO[/]",
@@ -96,6 +138,7 @@ def bench_table(result: BenchResult) -> Table:
             mib(result.floor_bytes),
             f"{r.step_median_s:.3f}",
             f"{r.ratio_to_none:.3f} ± {r.ratio_spread:.3f}",
+            *per_rank,
         )
     return table
 
@@ -179,6 +222,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="extra rounds timing full against plain torch.utils.checkpoint (0: none)",
     )
     bench.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    bench.add_argument(
+        "--ep",
+        type=int,
+        default=1,
+        help="expert-parallel ranks (moe only; launch with torchrun --nproc-per-node N -m actplan bench)",
+    )
     bench.add_argument(
         "--no-reference", action="store_true", help="skip the plain torch.utils.checkpoint reference row"
     )

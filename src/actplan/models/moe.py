@@ -107,6 +107,10 @@ class ExpertGroup:
         self.n_local = n_experts // self.size
         self.first = self.rank * self.n_local
 
+    def __deepcopy__(self, memo: dict) -> ExpertGroup:
+        # A process group cannot be copied; copies of a model share its expert layout.
+        return self
+
 
 class GroupedExperts(nn.Module):
     """This rank's experts: SwiGLU weights stacked as [local experts, in, out].

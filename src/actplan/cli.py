@@ -253,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     console = Console()
     if not console.is_terminal:
         # Logs and CI captures have no width; don't squeeze the table to 80 columns.
-        console = Console(width=160)
+        console = Console(width=200)
     try:
         return args.run(args, console)
     except (ConfigError, ValueError) as err:

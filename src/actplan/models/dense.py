@@ -216,6 +216,21 @@ class DecoderLayer(nn.Module):
         return {"hidden_states": self.mlp(self.attn(hidden_states, freqs_cis))}
 
 
+def init_weights(model: nn.Module, depth: int, seed: int = 0) -> None:
+    """Seeded init shared by the reference models: RMSNorm weights at one, the
+    residual-branch output projections at 0.02 / sqrt(2 * depth), the rest at 0.02."""
+    gen = torch.Generator().manual_seed(seed)
+    norms = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm)}
+    residual_std = 0.02 / math.sqrt(2 * depth)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if id(param) in norms:
+                param.fill_(1.0)
+            else:
+                std = residual_std if name.endswith(("o_proj.weight", "down_proj.weight")) else 0.02
+                param.normal_(0.0, std, generator=gen)
+
+
 class ModelOutput(TypedDict):
     loss: torch.Tensor | None
     logits: torch.Tensor
@@ -237,18 +252,7 @@ class DenseModel(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self, seed: int = 0) -> None:
-        gen = torch.Generator().manual_seed(seed)
-        for name, param in self.named_parameters():
-            if name.endswith("norm.weight"):
-                nn.init.ones_(param)
-            else:
-                std = (
-                    0.02 / math.sqrt(2 * self.config.n_layers)
-                    if name.endswith(("o_proj.weight", "down_proj.weight"))
-                    else 0.02
-                )
-                with torch.no_grad():
-                    param.normal_(0.0, std, generator=gen)
+        init_weights(self, depth=self.config.n_layers, seed=seed)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> ModelOutput:
         seq = input_ids.shape[1]
@@ -277,10 +281,11 @@ class DenseModel(nn.Module):
         return layer_inputs + final_norm + log_probs
 
 
-def make_batch(config: DenseConfig, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Random token ids and next-token labels of the configured shape."""
+def make_batch(config: DenseConfig, seed: int = 0, batch_size: int | None = None) -> dict[str, torch.Tensor]:
+    """Random token ids and next-token labels of the configured shape (any reference config)."""
     gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, config.vocab_size, (config.batch_size, config.seq_len + 1), generator=gen)
+    rows = batch_size or config.batch_size
+    ids = torch.randint(0, config.vocab_size, (rows, config.seq_len + 1), generator=gen)
     return {"input_ids": ids[:, :-1].contiguous(), "labels": ids[:, 1:].contiguous()}
 
 

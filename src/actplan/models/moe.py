@@ -25,6 +25,7 @@ from torch import nn
 
 from actplan.markers import checkpoint_record
 from actplan.models.dense import Attention, DecoderLayer, DenseConfig, RMSNorm, rope_frequencies
+from actplan.models.dense import make_batch as make_batch
 from actplan.units import MarkerInterval, RecomputeIntervalMap
 
 
@@ -344,14 +345,6 @@ class MoEModel(nn.Module):
             "logits": logits,
             "expert_ids": expert_ids,
         }
-
-
-def make_batch(config: MoEConfig, seed: int = 0, batch_size: int | None = None) -> dict[str, torch.Tensor]:
-    """Random token ids and next-token labels of the configured shape."""
-    gen = torch.Generator().manual_seed(seed)
-    rows = batch_size or config.batch_size
-    ids = torch.randint(0, config.vocab_size, (rows, config.seq_len + 1), generator=gen)
-    return {"input_ids": ids[:, :-1].contiguous(), "labels": ids[:, 1:].contiguous()}
 
 
 def build(

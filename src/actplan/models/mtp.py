@@ -23,7 +23,6 @@ first, then the depths.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 from typing import ClassVar, TypedDict
 
@@ -37,8 +36,10 @@ from actplan.models.dense import (
     DenseConfig,
     RMSNorm,
     SwiGLU,
+    init_weights,
     rope_frequencies,
 )
+from actplan.models.dense import make_batch as make_batch
 from actplan.units import RecomputeIntervalMap
 
 
@@ -148,17 +149,8 @@ class MTPModel(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self, seed: int = 0) -> None:
-        gen = torch.Generator().manual_seed(seed)
-        norms = {id(m.weight) for m in self.modules() if isinstance(m, RMSNorm)}
         # Residual-branch outputs of every block (main and depths) are scaled down.
-        residual_std = 0.02 / math.sqrt(2 * (self.config.n_layers + self.config.mtp_depths))
-        for name, param in self.named_parameters():
-            if id(param) in norms:
-                nn.init.ones_(param)
-                continue
-            std = residual_std if name.endswith(("o_proj.weight", "down_proj.weight")) else 0.02
-            with torch.no_grad():
-                param.normal_(0.0, std, generator=gen)
+        init_weights(self, depth=self.config.n_layers + self.config.mtp_depths, seed=seed)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> MTPOutput:
         """Main logits always; losses (main and per depth) only when ``labels`` are given.
@@ -194,13 +186,6 @@ class MTPModel(nn.Module):
 
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
-
-
-def make_batch(config: MTPConfig, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Random token ids and next-token labels of the configured shape."""
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, config.vocab_size, (config.batch_size, config.seq_len + 1), generator=gen)
-    return {"input_ids": ids[:, :-1].contiguous(), "labels": ids[:, 1:].contiguous()}
 
 
 def build(size: str = "small", **overrides) -> tuple[MTPModel, MTPConfig]:

@@ -30,7 +30,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from actplan.markers import checkpoint_record
-from actplan.models.dense import DenseConfig, RMSNorm, SwiGLU, apply_rope, dropout, rope_frequencies
+from actplan.models.dense import (
+    DenseConfig,
+    RMSNorm,
+    SwiGLU,
+    apply_rope,
+    dropout,
+    init_weights,
+    rope_frequencies,
+)
+from actplan.models.dense import make_batch as make_batch
 from actplan.units import MarkerInterval, RecomputeIntervalMap
 
 
@@ -253,18 +262,7 @@ class SparseModel(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self, seed: int = 0) -> None:
-        gen = torch.Generator().manual_seed(seed)
-        for name, param in self.named_parameters():
-            if name.endswith("norm.weight"):
-                nn.init.ones_(param)
-            else:
-                std = (
-                    0.02 / math.sqrt(2 * self.config.n_layers)
-                    if name.endswith(("o_proj.weight", "down_proj.weight"))
-                    else 0.02
-                )
-                with torch.no_grad():
-                    param.normal_(0.0, std, generator=gen)
+        init_weights(self, depth=self.config.n_layers, seed=seed)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> ModelOutput:
         seq = input_ids.shape[1]
@@ -281,13 +279,6 @@ class SparseModel(nn.Module):
         if labels is not None:
             loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
         return {"loss": loss, "logits": logits}
-
-
-def make_batch(config: SparseConfig, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Random token ids and next-token labels of the configured shape."""
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, config.vocab_size, (config.batch_size, config.seq_len + 1), generator=gen)
-    return {"input_ids": ids[:, :-1].contiguous(), "labels": ids[:, 1:].contiguous()}
 
 
 def build(size: str = "small", **overrides) -> tuple[SparseModel, SparseConfig]:

@@ -16,7 +16,6 @@ dense ``DecoderLayer`` itself (causal, a stand-in for a vision encoder block).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 from typing import ClassVar, TypedDict
 
@@ -32,25 +31,10 @@ from actplan.models.dense import (
     ModelOutput,
     RMSNorm,
     SwiGLU,
+    init_weights,
     rope_frequencies,
 )
 from actplan.units import RecomputeIntervalMap
-
-
-def _init_parameters(model: nn.Module, n_layers: int, seed: int) -> None:
-    """Dense-style init: norms at one, residual-output projections scaled down."""
-    gen = torch.Generator().manual_seed(seed)
-    for name, param in model.named_parameters():
-        if name.endswith("norm.weight"):
-            nn.init.ones_(param)
-        else:
-            std = (
-                0.02 / math.sqrt(2 * n_layers)
-                if name.endswith(("o_proj.weight", "down_proj.weight"))
-                else 0.02
-            )
-            with torch.no_grad():
-                param.normal_(0.0, std, generator=gen)
 
 
 def _check_size(kind: str, size: str, presets: dict) -> None:
@@ -146,7 +130,7 @@ class TowerModel(nn.Module):
             rope_frequencies(config.head_dim, config.max_seq_len, config.rope_theta),
             persistent=False,
         )
-        _init_parameters(self, config.n_layers, seed=0)
+        init_weights(self, depth=config.n_layers)
 
     def forward(
         self, image_features: torch.Tensor, input_ids: torch.Tensor, labels: torch.Tensor | None = None
@@ -258,7 +242,7 @@ class MicroBatchModel(nn.Module):
             rope_frequencies(config.head_dim, config.max_seq_len, config.rope_theta),
             persistent=False,
         )
-        _init_parameters(self, config.n_layers, seed=0)
+        init_weights(self, depth=config.n_layers)
 
     def forward(
         self, input_ids: list[torch.Tensor], labels: list[torch.Tensor] | None = None

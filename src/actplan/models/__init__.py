@@ -7,8 +7,10 @@ analytic activation floor. Models import only ``actplan.markers`` and
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 from torch import nn
@@ -31,78 +33,36 @@ class ModelBundle:
         return floor(batch) if callable(floor) else None
 
 
-def _build_dense(size: str, **overrides) -> ModelBundle:
-    model, config = dense.build(size, **overrides)
-    return ModelBundle(
-        name="dense",
-        size=size,
-        model=model,
-        make_batch=lambda seed=0: dense.make_batch(config, seed),
-        description=(
-            f"dense {size}: {config.n_layers} layers, dim {config.dim}, {config.n_heads} heads "
-            f"({config.n_kv_heads} kv), ffn {config.ffn_dim}, vocab {config.vocab_size}, "
-            f"batch {config.batch_size}x{config.seq_len}"
-        ),
-    )
+def _describe(name: str, c) -> str:
+    shape = f"dim {c.dim}, vocab {c.vocab_size}, batch {c.batch_size}x{c.seq_len}"
+    if name == "moe":
+        return (
+            f"{c.n_layers} layers ({c.first_k_dense} dense), {c.n_experts} experts top-{c.top_k} "
+            f"(ffn {c.expert_ffn_dim}), shared expert {c.shared_expert_ffn_dim}, {c.router} router, {shape}"
+        )
+    if name == "mtp":
+        return f"{c.n_layers} layers + {c.mtp_depths} prediction depths, {shape}"
+    if name == "sparse":
+        return f"{c.n_layers} layers, indexer every {c.index_every} (top-{c.index_topk} keys), {shape}"
+    return f"{c.n_layers} layers, {c.n_heads} heads ({c.n_kv_heads} kv), ffn {c.ffn_dim}, {shape}"
 
 
-def _build_moe(size: str, **overrides) -> ModelBundle:
-    model, config = moe.build(size, **overrides)
-    return ModelBundle(
-        name="moe",
-        size=size,
-        model=model,
-        make_batch=lambda seed=0: moe.make_batch(config, seed),
-        description=(
-            f"moe {size}: {config.n_layers} layers ({config.first_k_dense} dense), dim {config.dim}, "
-            f"{config.n_experts} experts top-{config.top_k} (ffn {config.expert_ffn_dim}), shared expert "
-            f"{config.shared_expert_ffn_dim}, {config.router} router, "
-            f"batch {config.batch_size}x{config.seq_len}"
-        ),
-    )
-
-
-def _build_mtp(size: str, **overrides) -> ModelBundle:
-    model, config = mtp.build(size, **overrides)
-    return ModelBundle(
-        name="mtp",
-        size=size,
-        model=model,
-        make_batch=lambda seed=0: mtp.make_batch(config, seed),
-        description=(
-            f"mtp {size}: {config.n_layers} layers + {config.mtp_depths} prediction depths, "
-            f"dim {config.dim}, vocab {config.vocab_size}, batch {config.batch_size}x{config.seq_len}"
-        ),
-    )
-
-
-def _build_sparse(size: str, **overrides) -> ModelBundle:
-    model, config = sparse.build(size, **overrides)
-    return ModelBundle(
-        name="sparse",
-        size=size,
-        model=model,
-        make_batch=lambda seed=0: sparse.make_batch(config, seed),
-        description=(
-            f"sparse {size}: {config.n_layers} layers, indexer every {config.index_every} "
-            f"(top-{config.index_topk} keys), dim {config.dim}, batch {config.batch_size}x{config.seq_len}"
-        ),
-    )
-
-
-MODELS: dict[str, tuple[Callable[..., ModelBundle], tuple[str, ...]]] = {
-    "dense": (_build_dense, tuple(dense.PRESETS)),
-    "moe": (_build_moe, tuple(moe.PRESETS)),
-    "mtp": (_build_mtp, tuple(mtp.PRESETS)),
-    "sparse": (_build_sparse, tuple(sparse.PRESETS)),
-}
+MODELS: dict[str, ModuleType] = {"dense": dense, "moe": moe, "mtp": mtp, "sparse": sparse}
+"""Built-in models by name; each module has ``PRESETS``, ``build`` and ``make_batch``."""
 
 
 def build_model(name: str = "dense", size: str = "small", **overrides) -> ModelBundle:
     """Build a reference model by name and size (``tiny`` for tests, ``small`` for the bench)."""
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; built-in models: {', '.join(MODELS)}")
-    factory, sizes = MODELS[name]
-    if size not in sizes:
-        raise ValueError(f"model {name!r} has no size {size!r}; sizes: {', '.join(sizes)}")
-    return factory(size, **overrides)
+    module = MODELS[name]
+    if size not in module.PRESETS:
+        raise ValueError(f"model {name!r} has no size {size!r}; sizes: {', '.join(module.PRESETS)}")
+    model, config = module.build(size, **overrides)
+    return ModelBundle(
+        name=name,
+        size=size,
+        model=model,
+        make_batch=functools.partial(module.make_batch, config),
+        description=f"{name} {size}: {_describe(name, config)}",
+    )

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import ClassVar, TypedDict
+from typing import ClassVar, TypedDict, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +21,8 @@ from torch import nn
 
 from actplan.markers import checkpoint_record
 from actplan.units import MarkerInterval, RecomputeIntervalMap
+
+ConfigT = TypeVar("ConfigT")
 
 
 @dataclass(frozen=True)
@@ -289,9 +291,14 @@ def make_batch(config: DenseConfig, seed: int = 0, batch_size: int | None = None
     return {"input_ids": ids[:, :-1].contiguous(), "labels": ids[:, 1:].contiguous()}
 
 
+def preset_config(kind: str, presets: dict[str, ConfigT], size: str, overrides: dict) -> ConfigT:
+    """The named size's config with ``overrides`` applied; shared by the reference models."""
+    if size not in presets:
+        raise ValueError(f"unknown {kind} size {size!r}; choose one of {', '.join(presets)}")
+    return replace(presets[size], **overrides)
+
+
 def build(size: str = "small", **overrides) -> tuple[DenseModel, DenseConfig]:
     """The dense reference model of a named size, with optional config overrides."""
-    if size not in PRESETS:
-        raise ValueError(f"unknown dense size {size!r}; choose one of {', '.join(PRESETS)}")
-    config = replace(PRESETS[size], **overrides)
+    config = preset_config("dense", PRESETS, size, overrides)
     return DenseModel(config), config

@@ -15,7 +15,7 @@ re-communicates. Imports only the marker, the vocabulary and the dense blocks.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import ClassVar, Literal, TypedDict
 
 import torch
@@ -24,7 +24,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from actplan.markers import checkpoint_record
-from actplan.models.dense import Attention, DecoderLayer, DenseConfig, RMSNorm, rope_frequencies
+from actplan.models.dense import (
+    Attention,
+    DecoderLayer,
+    DenseConfig,
+    RMSNorm,
+    preset_config,
+    rope_frequencies,
+)
 from actplan.models.dense import make_batch as make_batch
 from actplan.units import MarkerInterval, RecomputeIntervalMap
 
@@ -351,7 +358,5 @@ def build(
     size: str = "small", ep_group: dist.ProcessGroup | None = None, **overrides
 ) -> tuple[MoEModel, MoEConfig]:
     """The MoE reference model of a named size; ``ep_group`` splits its experts across ranks."""
-    if size not in PRESETS:
-        raise ValueError(f"unknown moe size {size!r}; choose one of {', '.join(PRESETS)}")
-    config = replace(PRESETS[size], **overrides)
+    config = preset_config("moe", PRESETS, size, overrides)
     return MoEModel(config, ep_group), config

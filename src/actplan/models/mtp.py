@@ -23,7 +23,7 @@ first, then the depths.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import ClassVar, TypedDict
 
 import torch
@@ -37,6 +37,7 @@ from actplan.models.dense import (
     RMSNorm,
     SwiGLU,
     init_weights,
+    preset_config,
     rope_frequencies,
 )
 from actplan.models.dense import make_batch as make_batch
@@ -190,7 +191,5 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 def build(size: str = "small", **overrides) -> tuple[MTPModel, MTPConfig]:
     """The MTP reference model of a named size, with optional config overrides."""
-    if size not in PRESETS:
-        raise ValueError(f"unknown mtp size {size!r}; choose one of {', '.join(PRESETS)}")
-    config = replace(PRESETS[size], **overrides)
+    config = preset_config("mtp", PRESETS, size, overrides)
     return MTPModel(config), config

@@ -22,7 +22,7 @@ consumers reuse the ids only.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import ClassVar, TypedDict
 
 import torch
@@ -37,6 +37,7 @@ from actplan.models.dense import (
     apply_rope,
     dropout,
     init_weights,
+    preset_config,
     rope_frequencies,
 )
 from actplan.models.dense import make_batch as make_batch
@@ -283,7 +284,5 @@ class SparseModel(nn.Module):
 
 def build(size: str = "small", **overrides) -> tuple[SparseModel, SparseConfig]:
     """The sparse reference model of a named size, with optional config overrides."""
-    if size not in PRESETS:
-        raise ValueError(f"unknown sparse size {size!r}; choose one of {', '.join(PRESETS)}")
-    config = replace(PRESETS[size], **overrides)
+    config = preset_config("sparse", PRESETS, size, overrides)
     return SparseModel(config), config

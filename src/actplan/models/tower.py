@@ -16,7 +16,7 @@ dense ``DecoderLayer`` itself (causal, a stand-in for a vision encoder block).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import ClassVar, TypedDict
 
 import torch
@@ -32,15 +32,10 @@ from actplan.models.dense import (
     RMSNorm,
     SwiGLU,
     init_weights,
+    preset_config,
     rope_frequencies,
 )
 from actplan.units import RecomputeIntervalMap
-
-
-def _check_size(kind: str, size: str, presets: dict) -> None:
-    if size not in presets:
-        raise ValueError(f"unknown {kind} size {size!r}; choose one of {', '.join(presets)}")
-
 
 # ---------------------------------------------------------------------------------------------
 # Frozen encoder tower feeding a trainable decoder
@@ -158,8 +153,7 @@ def make_tower_batch(config: TowerConfig, seed: int = 0) -> dict[str, torch.Tens
 
 def build_tower(size: str = "small", **overrides) -> tuple[TowerModel, TowerConfig]:
     """The frozen-tower model of a named size, with optional config overrides."""
-    _check_size("tower", size, TOWER_PRESETS)
-    config = replace(TOWER_PRESETS[size], **overrides)
+    config = preset_config("tower", TOWER_PRESETS, size, overrides)
     return TowerModel(config), config
 
 
@@ -274,6 +268,5 @@ def make_micro_batches(config: MicroBatchConfig, seed: int = 0) -> dict[str, lis
 
 def build_micro_batch(size: str = "small", **overrides) -> tuple[MicroBatchModel, MicroBatchConfig]:
     """The micro-batch-list model of a named size, with optional config overrides."""
-    _check_size("micro-batch", size, MICRO_BATCH_PRESETS)
-    config = replace(MICRO_BATCH_PRESETS[size], **overrides)
+    config = preset_config("micro-batch", MICRO_BATCH_PRESETS, size, overrides)
     return MicroBatchModel(config), config

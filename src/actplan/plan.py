@@ -157,7 +157,7 @@ def _reject_entries_that_decide_nothing(
     config: RecomputeConfig, deciding: list[tuple[RecomputeChoice, str, str] | None]
 ) -> None:
     """An entry whose every layer a later override takes over would do nothing."""
-    decided = {label for entry in deciding if entry is not None for label in [entry[2]]}
+    decided = {entry[2] for entry in deciding if entry is not None}
     for position, override in enumerate(config.overrides):
         where = f"overrides[{position}]"
         if where not in decided:

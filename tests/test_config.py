@@ -233,9 +233,9 @@ def test_unknown_unit_error_lists_every_valid_unit_and_the_field_path():
 
 
 def test_unknown_field_is_an_error_listing_valid_fields():
-    message = config_error({"mode": "full", "offload": True})
-    assert "unknown field 'offload'" in message
-    assert "mode, preset, keep, recompute, layers, overrides" in message
+    message = config_error({"mode": "full", "budget": "40GiB"})
+    assert "unknown field 'budget'" in message
+    assert "mode, preset, keep, recompute, layers, overrides, save_collectives, offload" in message
     message = config_error({"overrides": [{"layers": 0, "mode": "full", "budget": 3}]})
     assert "overrides[0].budget" in message
     assert "mode, preset, keep, recompute, layers" in message

@@ -346,6 +346,24 @@ def test_summary_groups_layers_by_choice():
     ]
 
 
+def test_summary_and_rows_show_offload():
+    data = {
+        "preset": "full",
+        "overrides": [{"layers": [2], "keep": ["mlp_up"]}],
+        "offload": {"layers": "1-2", "layer_input": True},
+    }
+    plan = plan_for(data, dense_layers(4))
+    assert plan.summary().splitlines() == [
+        "plan for 4 layers (4 checkpointed, 2 offloading):",
+        "  layers 0,3: full",
+        "  layers 1: full; offload layer input",
+        "  layers 2: selective, keep mlp_up; offload layer input",
+    ]
+    with_units = plan_for({**data, "offload": {"layers": [2], "units": "kept"}}, dense_layers(4))
+    assert [row["offload"] for row in with_units.to_rows()] == ["", "", "mlp_up", ""]
+    assert with_units.layers[2].offload_intervals == with_units.layers[2].kept_intervals
+
+
 def test_summary_says_when_selective_keeps_nothing():
     assert "layers 0: selective, keep nothing" in plan_for({"mode": "selective"}, dense_layers(1)).summary()
 
@@ -362,6 +380,7 @@ def test_to_rows_gives_plain_values_per_layer():
             "kept_intervals": 0,
             "source": "not selected",
             "routing_saved": False,
+            "offload": "",
         },
         {
             "index": 1,
@@ -372,6 +391,7 @@ def test_to_rows_gives_plain_values_per_layer():
             "kept_intervals": 1,
             "source": "top level, preset attn",
             "routing_saved": True,
+            "offload": "",
         },
     ]
 

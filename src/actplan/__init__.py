@@ -1,17 +1,18 @@
-"""actplan: decide, for every activation a transformer saves, keep or recompute, and do it exactly.
+"""actplan: decide, for every activation a transformer saves, keep, recompute or offload, and do it exactly.
 
 The public API. Model authors use ``checkpoint_record`` and the vocabulary;
-training code uses ``RecomputeConfig``, ``apply`` and ``remove``.
+training code uses ``RecomputeConfig``, ``apply``, ``remove`` and ``offload_engine``.
 """
 
-from actplan.apply import apply, find_layers, installed_plan, plan_for, remove
+from actplan.apply import apply, find_layers, installed_plan, offload_engine, plan_for, remove
 from actplan.boundary import (
     apply_gradient_checkpointing,
     is_checkpointed,
     remove_gradient_checkpointing,
 )
-from actplan.config import PRESETS, ConfigError, LayerSelector, RecomputeConfig
+from actplan.config import PRESETS, ConfigError, LayerSelector, OffloadConfig, RecomputeConfig
 from actplan.markers import checkpoint_record
+from actplan.offload import OffloadedTensorMutatedError, OffloadEngine, OffloadStats
 from actplan.parallel import parallelize
 from actplan.plan import LayerPlan, Plan
 from actplan.policy import IntervalPolicy, KeptTensorMutatedError, MarkerError
@@ -29,6 +30,10 @@ __all__ = [
     "LayerSelector",
     "MarkerError",
     "MarkerInterval",
+    "OffloadConfig",
+    "OffloadEngine",
+    "OffloadStats",
+    "OffloadedTensorMutatedError",
     "Plan",
     "RecomputeConfig",
     "RecomputeIntervalMap",
@@ -39,6 +44,7 @@ __all__ = [
     "find_layers",
     "installed_plan",
     "is_checkpointed",
+    "offload_engine",
     "parallelize",
     "plan_for",
     "remove",

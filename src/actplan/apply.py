@@ -18,11 +18,13 @@ from actplan.boundary import (
     remove_gradient_checkpointing,
 )
 from actplan.config import ConfigError, RecomputeConfig
+from actplan.offload import OffloadEngine, apply_offload, is_offloaded, remove_offload
 from actplan.plan import LayerPlan, LayerSpec, Plan, format_indices, resolve_plan
 from actplan.policy import IntervalPolicy
 from actplan.units import RecomputeIntervalMap
 
 _PLAN_ATTR = "_actplan_plan"
+_ENGINE_ATTR = "_actplan_offload_engine"
 
 
 def interval_map_of(module: nn.Module) -> RecomputeIntervalMap | None:
@@ -69,7 +71,8 @@ def apply(model: nn.Module, config: RecomputeConfig | dict[str, Any] | str | Pat
     """Resolve ``config`` to a per-layer plan and install it on ``model``'s layers.
 
     ``config`` is a ``RecomputeConfig``, a dict, a preset name (``"matmuls"``) or
-    a path to a YAML/JSON file. A plan installed earlier is removed first.
+    a path to a YAML/JSON file. A plan installed earlier is removed first. A config
+    with ``offload`` also gets an ``OffloadEngine`` (see ``offload_engine(model)``).
     Returns the installed ``Plan``.
     """
     plan = plan_for(model, config)
@@ -77,26 +80,52 @@ def apply(model: nn.Module, config: RecomputeConfig | dict[str, Any] | str | Pat
     layers = [
         (layer_plan, module) for layer_plan, (_, module) in zip(plan.layers, find_layers(model), strict=True)
     ]
-    policies = _shared_policies(layers)
-    for layer_plan, module in layers:
-        if layer_plan.mode == "none":
-            continue
-        policy = policies.get(_policy_key(layer_plan, module))
-        apply_gradient_checkpointing(
-            module, policy=policy, owner=layer_plan, name=f"{layer_plan.name} ({layer_plan.class_name})"
+    engine = None
+    offload = plan.config.offload
+    if offload is not None:
+        engine = OffloadEngine(
+            min_bytes=offload.min_bytes, host_cap_bytes=offload.host_cap, prefetch=offload.prefetch
         )
+        engine.attach(model)
+        model.__dict__[_ENGINE_ATTR] = engine
+    policies = _shared_policies(layers, engine)
+    for layer_plan, module in layers:
+        name = f"{layer_plan.name} ({layer_plan.class_name})"
+        if layer_plan.checkpointed:
+            policy = policies.get(_policy_key(layer_plan, module))
+            apply_gradient_checkpointing(module, policy=policy, owner=layer_plan, name=name)
+        if layer_plan.offloads:
+            # Kept units of a selective layer move through its policy; this wrapper owns the
+            # layer's group, its input, and the units of a layer that is not checkpointed.
+            apply_offload(
+                module,
+                engine,
+                name=name,
+                layer_input=layer_plan.offload_input,
+                intervals=layer_plan.offload_intervals if not layer_plan.checkpointed else (),
+                what=layer_plan.describe_offload(),
+            )
     model.__dict__[_PLAN_ATTR] = plan
     return plan
+
+
+def offload_engine(model: nn.Module) -> OffloadEngine | None:
+    """The ``OffloadEngine`` of the installed plan (``None`` without offload); its
+    ``stats`` report bytes moved each way and host-pool usage."""
+    return model.__dict__.get(_ENGINE_ATTR)
 
 
 def _policy_key(layer: LayerPlan, module: nn.Module) -> tuple | None:
     # Full layers that keep routing outputs run the policy with nothing kept.
     if layer.mode == "none" or (layer.mode == "full" and not layer.routing_saved):
         return None
-    return (layer.class_name, interval_map_of(module), layer.kept_intervals, layer.routing_saved)
+    offloaded = layer.offload_intervals if layer.mode == "selective" else frozenset()
+    return (layer.class_name, interval_map_of(module), layer.kept_intervals, layer.routing_saved, offloaded)
 
 
-def _shared_policies(layers: list[tuple[LayerPlan, nn.Module]]) -> dict[tuple, IntervalPolicy]:
+def _shared_policies(
+    layers: list[tuple[LayerPlan, nn.Module]], engine: OffloadEngine | None
+) -> dict[tuple, IntervalPolicy]:
     """One policy per distinct (layer class, kept intervals), shared by its layers.
 
     ``torch.compile`` guards on the policy object inside ``context_fn``: one object
@@ -110,10 +139,15 @@ def _shared_policies(layers: list[tuple[LayerPlan, nn.Module]]) -> dict[tuple, I
             members.setdefault(key, []).append(layer)
     policies = {}
     for key, layers in members.items():
-        class_name, interval_map, kept, routing_saved = key
+        class_name, interval_map, kept, routing_saved, offloaded = key
         where = layers[0].name if len(layers) == 1 else f"layers {format_indices([x.index for x in layers])}"
         policies[key] = IntervalPolicy(
-            interval_map, kept, layer_name=f"{class_name} ({where})", save_collectives=routing_saved
+            interval_map,
+            kept,
+            layer_name=f"{class_name} ({where})",
+            save_collectives=routing_saved,
+            offload_intervals=offloaded,
+            offloader=engine if offloaded else None,
         )
     return policies
 
@@ -124,10 +158,15 @@ def installed_plan(model: nn.Module) -> Plan | None:
 
 
 def remove(model: nn.Module) -> int:
-    """Remove every actplan checkpoint wrapper under ``model``; returns how many."""
+    """Remove every actplan checkpoint and offload wrapper under ``model``; returns how many
+    layers were checkpointed."""
     removed = 0
     for module in model.modules():
+        # The offload wrapper sits outside the checkpoint wrapper: unwrap it first.
+        if is_offloaded(module):
+            remove_offload(module)
         if checkpoint_state(module) is not None:
             removed += remove_gradient_checkpointing(module)
     model.__dict__.pop(_PLAN_ATTR, None)
+    model.__dict__.pop(_ENGINE_ATTR, None)
     return removed

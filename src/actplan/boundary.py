@@ -11,6 +11,7 @@ argument positions.
 
 from __future__ import annotations
 
+import functools
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -75,6 +76,11 @@ def _run_with_markers(
     return out
 
 
+def _call_with_keywords(run: Callable[..., Any], names: tuple[str, ...], *flat: Any) -> Any:
+    split = len(flat) - len(names)
+    return run(*flat[:split], **dict(zip(names, flat[split:], strict=True)))
+
+
 def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     state: CheckpointState = getattr(self, _STATE_ATTR)
     inner = state.previous_forward
@@ -97,11 +103,19 @@ def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
             context_fn, sink = state.policy.context_fn, None
         else:
             context_fn, sink = state.policy.open_region(state.name)
-        return checkpoint(_run_with_markers, sink, inner, *args, context_fn=context_fn, **options, **kwargs)
-    if state.context_fn is None:
-        return checkpoint(inner, *args, **options, **kwargs)
-    # context_fn is passed only when set: dynamo rejects torch's default no-op one.
-    return checkpoint(inner, *args, context_fn=state.context_fn, **options, **kwargs)
+        options["context_fn"] = context_fn
+        run = functools.partial(_run_with_markers, sink, inner)
+    else:
+        # context_fn is passed only when set: dynamo rejects torch's default no-op one.
+        if state.context_fn is not None:
+            options["context_fn"] = state.context_fn
+        run = inner
+    if not kwargs:
+        return checkpoint(run, *args, **options)
+    # Keyword tensors travel as positional ones: checkpoint then saves them as saved tensors
+    # (which offload can move) rather than holding them by reference, and a layer keyword
+    # can never collide with one of checkpoint's own options.
+    return checkpoint(_call_with_keywords, run, tuple(kwargs), *args, *kwargs.values(), **options)
 
 
 def apply_gradient_checkpointing(

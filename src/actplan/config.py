@@ -25,6 +25,7 @@ from pydantic import (
     model_validator,
 )
 
+from actplan.sizes import DEFAULT_HOST_CAP_BYTES, DEFAULT_OFFLOAD_MIN_BYTES, format_bytes, parse_bytes
 from actplan.units import RecomputeUnit, parse_unit
 
 Mode = Literal["none", "full", "selective"]
@@ -391,6 +392,100 @@ class RecomputeChoice(BaseModel):
 _CHOICE_FIELDS = ("mode", "preset", "keep", "recompute")
 
 
+def _byte_size(value: Any) -> int:
+    try:
+        return parse_bytes(value)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+
+
+_ByteSize = Annotated[int, BeforeValidator(_byte_size)]
+
+
+class OffloadConfig(BaseModel):
+    """Which saved tensors move to host memory between forward and backward.
+
+    ``units``: units whose saved tensors move: in a selective layer they must be kept
+    (``'kept'`` means every unit the layer keeps); in a layer that is not checkpointed,
+    whatever autograd saves inside them. ``layer_input``: the input a checkpointed (full or
+    selective) layer saves. ``layers`` selects layers as elsewhere; when it is not given,
+    every layer except the last ``skip_last`` (default 1: its activations are needed first
+    in backward, so moving them cannot overlap anything).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    units: tuple[_ParsedUnit, ...] | Literal["kept"] = ()
+    layer_input: bool = False
+    layers: LayerSelector | None = None
+    skip_last: int | None = None
+    min_bytes: _ByteSize = DEFAULT_OFFLOAD_MIN_BYTES
+    host_cap: _ByteSize = DEFAULT_HOST_CAP_BYTES
+    prefetch: int = 1
+
+    @field_validator("units", mode="before")
+    @classmethod
+    def _units_form(cls, value: Any) -> Any:
+        if isinstance(value, str) and value != "kept":
+            raise ConfigError(
+                f"offload.units: expected a list of unit names or 'kept', got the string {value!r}; "
+                f"write [{value}]"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _check(self) -> OffloadConfig:
+        if not self.units and not self.layer_input:
+            raise ConfigError(
+                "offload names no units and layer_input is false, so it would move nothing; "
+                "add units (or 'kept') or layer_input: true, or remove offload"
+            )
+        if isinstance(self.units, tuple):
+            repeated = sorted({u.value for u in self.units if self.units.count(u) > 1})
+            if repeated:
+                raise ConfigError(f"offload.units lists {', '.join(repeated)} more than once; list each once")
+        if self.layers is not None and self.skip_last is not None:
+            raise ConfigError(
+                "offload.layers and offload.skip_last are both given; skip_last only shapes the default "
+                "selection (all layers but the last few), so give one of them"
+            )
+        if self.layers is not None and self.layers.selects_nothing:
+            raise ConfigError("offload.layers: 'none' would offload nothing; select layers or remove offload")
+        if self.skip_last is not None and self.skip_last < 0:
+            raise ConfigError(f"offload.skip_last: {self.skip_last} is negative; use 0 or more")
+        if self.prefetch < 0:
+            raise ConfigError(f"offload.prefetch: {self.prefetch} is negative; use 0 (reload on use) or more")
+        if self.host_cap < max(self.min_bytes, 1):
+            raise ConfigError(
+                f"offload.host_cap ({self.host_cap:,} bytes) is below the smallest tensor offload moves "
+                f"(min_bytes: {self.min_bytes:,}), so every tensor would miss the pool; raise host_cap "
+                "or lower min_bytes"
+            )
+        return self
+
+    @property
+    def skipped_last_layers(self) -> int:
+        return 1 if self.skip_last is None else self.skip_last
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if self.units:
+            out["units"] = self.units if isinstance(self.units, str) else [u.value for u in self.units]
+        if self.layer_input:
+            out["layer_input"] = True
+        if self.layers is not None:
+            out["layers"] = copy.deepcopy(self.layers.root)
+        if self.skip_last is not None:
+            out["skip_last"] = self.skip_last
+        if self.min_bytes != DEFAULT_OFFLOAD_MIN_BYTES:
+            out["min_bytes"] = format_bytes(self.min_bytes)
+        if self.host_cap != DEFAULT_HOST_CAP_BYTES:
+            out["host_cap"] = format_bytes(self.host_cap)
+        if self.prefetch != 1:
+            out["prefetch"] = self.prefetch
+        return out
+
+
 class LayerOverride(RecomputeChoice):
     """A recompute choice for the layers ``layers`` selects; later overrides win."""
 
@@ -431,6 +526,8 @@ class RecomputeConfig(RecomputeChoice):
     # Whether routing and collective outputs are saved rather than recomputed:
     # "auto" in selective layers and in full layers that declare routing units.
     save_collectives: bool | Literal["auto"] = "auto"
+    # Saved tensors moved to host memory (see OffloadConfig); None: nothing is offloaded.
+    offload: OffloadConfig | None = None
 
     @model_validator(mode="after")
     def _reject_layers_without_effect(self) -> RecomputeConfig:
@@ -566,6 +663,8 @@ class RecomputeConfig(RecomputeChoice):
             out["overrides"] = [override.to_dict() for override in self.overrides]
         if self.save_collectives != "auto":
             out["save_collectives"] = self.save_collectives
+        if self.offload is not None:
+            out["offload"] = self.offload.to_dict()
         return out
 
     def to_yaml(self) -> str:
@@ -599,7 +698,9 @@ def format_field_path(loc: tuple[int | str, ...]) -> str:
 
 
 def _model_at(loc: tuple[int | str, ...]) -> type[BaseModel]:
-    return LayerOverride if loc and loc[0] == "overrides" else RecomputeConfig
+    if loc and loc[0] == "overrides":
+        return LayerOverride
+    return OffloadConfig if loc and loc[0] == "offload" else RecomputeConfig
 
 
 def _describe_error(error: Mapping[str, Any]) -> str:

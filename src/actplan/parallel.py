@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from actplan.apply import apply, find_layers
-from actplan.config import RecomputeConfig
+from actplan.config import ConfigError, RecomputeConfig
 from actplan.plan import Plan
 
 __all__ = ["parallelize"]
@@ -89,9 +89,12 @@ def parallelize(
         ValueError: ``mesh`` is not 1-D, ``compile`` sets ``fullgraph=False``,
             the model (or part of it) is already sharded by ``fully_shard``, or
             a layer is already compiled.
-        ConfigError: the config is malformed or does not fit the model.
+        ConfigError: the config is malformed or does not fit the model, or it
+            offloads while ``compile`` is set (offload is eager-only).
     """
     compile_options = _compile_options(compile)
+    if compile_options is not None:
+        _reject_compiled_offload(config)
     _check_inputs(model, mesh)
     expert_params = _expert_parallel_params(model, mesh, compile_options is not None)
 
@@ -114,6 +117,18 @@ def parallelize(
         # The all-to-all backward summed every rank's tokens into it; FSDP averages the rest.
         param.register_hook(lambda grad: grad / world)
     return plan
+
+
+def _reject_compiled_offload(config: RecomputeConfig | dict[str, Any] | str | Path) -> None:
+    try:
+        parsed = RecomputeConfig.parse(config)
+    except ConfigError:
+        return  # apply reports it, with the model's units
+    if parsed.offload is not None:
+        raise ConfigError(
+            "offload runs in eager mode only, and parallelize was asked to compile the layers; "
+            "remove `offload` from the config or call parallelize with compile=False"
+        )
 
 
 def _expert_parallel_params(model: nn.Module, mesh: DeviceMesh, compiling: bool) -> set[nn.Parameter]:

@@ -10,7 +10,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from actplan.config import PRESETS, ConfigError, LayerOverride, Mode, RecomputeChoice, RecomputeConfig
+from actplan.config import (
+    PRESETS,
+    ConfigError,
+    LayerOverride,
+    Mode,
+    OffloadConfig,
+    RecomputeChoice,
+    RecomputeConfig,
+)
 from actplan.units import ROUTING_UNITS, MarkerInterval, RecomputeIntervalMap, RecomputeUnit
 
 NOT_SELECTED = "not selected"
@@ -43,10 +51,24 @@ class LayerPlan:
     source: str
     # Routing/collective outputs saved instead of recomputed (see RecomputeConfig.save_collectives).
     routing_saved: bool = False
+    # Units whose saved tensors move to host memory, and their intervals.
+    offload_units: tuple[RecomputeUnit, ...] = ()
+    offload_intervals: frozenset[MarkerInterval] = frozenset()
+    # Whether the input the checkpoint saves moves to host memory.
+    offload_input: bool = False
 
     @property
     def checkpointed(self) -> bool:
         return self.mode != "none"
+
+    @property
+    def offloads(self) -> bool:
+        return self.offload_input or bool(self.offload_units)
+
+    def describe_offload(self) -> str:
+        """``'layer input, mlp_up'``: what this layer offloads ('' for nothing)."""
+        parts = (["layer input"] if self.offload_input else []) + [u.value for u in self.offload_units]
+        return ", ".join(parts)
 
 
 @dataclass(frozen=True)
@@ -63,14 +85,20 @@ class Plan:
 
     def summary(self) -> str:
         """A few lines: layers grouped by identical mode and kept units."""
-        groups: dict[tuple[str, tuple[RecomputeUnit, ...]], list[int]] = {}
+        groups: dict[tuple[str, tuple[RecomputeUnit, ...], str], list[int]] = {}
         for layer in self.layers:
-            groups.setdefault((layer.mode, layer.kept_units), []).append(layer.index)
-        lines = [f"plan for {len(self.layers)} layers ({len(self.checkpointed)} checkpointed):"]
-        for (mode, kept_units), indices in groups.items():
+            groups.setdefault((layer.mode, layer.kept_units, layer.describe_offload()), []).append(
+                layer.index
+            )
+        offloading = sum(layer.offloads for layer in self.layers)
+        extra = f", {offloading} offloading" if offloading else ""
+        lines = [f"plan for {len(self.layers)} layers ({len(self.checkpointed)} checkpointed{extra}):"]
+        for (mode, kept_units, offloaded), indices in groups.items():
             what = mode
             if mode == "selective":
                 what += ", keep " + (", ".join(u.value for u in kept_units) if kept_units else "nothing")
+            if offloaded:
+                what += f"; offload {offloaded}"
             lines.append(f"  layers {format_indices(indices)}: {what}")
         return "\n".join(lines)
 
@@ -86,6 +114,7 @@ class Plan:
                 "kept_intervals": len(layer.kept_intervals),
                 "source": layer.source,
                 "routing_saved": layer.routing_saved,
+                "offload": layer.describe_offload(),
             }
             for layer in self.layers
         ]
@@ -140,7 +169,67 @@ def resolve_plan(config: RecomputeConfig, layer_specs: Sequence[LayerSpec]) -> P
         _with_routing(_plan_layer(spec, deciding[spec.index]), spec, config.save_collectives)
         for spec in specs
     )
+    if config.offload is not None:
+        layers = _with_offload(layers, specs, config.offload)
     return Plan(layers=layers, config=config)
+
+
+def _with_offload(
+    layers: tuple[LayerPlan, ...], specs: tuple[LayerSpec, ...], offload: OffloadConfig
+) -> tuple[LayerPlan, ...]:
+    """Add the offload choices; a choice that would move nothing in a layer is an error."""
+    if offload.layers is not None:
+        try:
+            selected = offload.layers.resolve(len(specs))
+        except ConfigError as err:
+            raise ConfigError(f"offload.layers: {err}") from None
+    else:
+        skip = offload.skipped_last_layers
+        selected = tuple(range(len(specs) - skip))
+        if not selected:
+            raise ConfigError(
+                f"offload skips the last {skip} layer(s) by default, which leaves none of this model's "
+                f"{len(specs)} layer(s); set offload.skip_last: 0 or select layers with offload.layers"
+            )
+    out = list(layers)
+    for index in selected:
+        layer, spec = layers[index], specs[index]
+        where = f"offload: layer {index} ({layer.name}, {layer.class_name})"
+        if offload.layer_input and not layer.checkpointed:
+            raise ConfigError(
+                f"{where} is not checkpointed, so there is no saved layer input to offload (its first "
+                "ops save their own inputs); offload the units that read it instead (e.g. attn_norm), "
+                "checkpoint the layer, or narrow offload.layers"
+            )
+        if offload.units == "kept":
+            if layer.mode != "selective" or not layer.kept_units:
+                raise ConfigError(
+                    f"{where} is {layer.mode} and keeps no unit, so 'kept' offloads nothing there; "
+                    "narrow offload.layers to selective layers that keep units"
+                )
+            units = layer.kept_units
+        else:
+            _require_declared(offload.units, "offload.units", spec)
+            units = tuple(u for u in spec.interval_map.units if u in offload.units)
+            if units and layer.mode == "full":
+                raise ConfigError(
+                    f"{where} is fully recomputed: it saves no unit outputs, only its input, so "
+                    f"offloading {', '.join(u.value for u in units)} would do nothing; use "
+                    "layer_input: true, keep those units (mode: selective), or narrow offload.layers"
+                )
+            recomputed = [u.value for u in units if layer.mode == "selective" and u not in layer.kept_units]
+            if recomputed:
+                raise ConfigError(
+                    f"{where} recomputes {', '.join(recomputed)}, so nothing of it is saved to offload; "
+                    "keep those units there or drop them from offload.units"
+                )
+        out[index] = replace(
+            layer,
+            offload_units=units,
+            offload_intervals=spec.interval_map.intervals_of(units),
+            offload_input=offload.layer_input,
+        )
+    return tuple(out)
 
 
 def _with_routing(layer: LayerPlan, spec: LayerSpec, save_collectives: bool | str) -> LayerPlan:

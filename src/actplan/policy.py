@@ -151,6 +151,9 @@ class IntervalPolicy:
         layer_name: used in errors and warnings, e.g. ``"layers.3 (DecoderLayer)"``.
         save_collectives: keep collective and routing outputs whatever the plan
             (on by default; turning it off reruns collectives in backward).
+        offload_intervals: kept intervals whose saved outputs move to the host tier
+            between forward and recompute; needs ``offloader``.
+        offloader: an ``OffloadEngine`` (anything with its ``sac_contexts`` method).
 
     ``context_fn`` is what ``torch.utils.checkpoint`` takes; it is a stable
     ``functools.partial`` so ``torch.compile`` can trace it and guard on it (the
@@ -165,8 +168,18 @@ class IntervalPolicy:
         *,
         layer_name: str = "<layer>",
         save_collectives: bool = True,
+        offload_intervals: Iterable[MarkerInterval] = (),
+        offloader: Any = None,
     ) -> None:
         kept = frozenset(kept_intervals)
+        offloaded = frozenset(offload_intervals)
+        if offloaded - kept:
+            raise ValueError(
+                f"{layer_name}: offloaded intervals {sorted(map(str, offloaded - kept))} are not kept; "
+                "only kept outputs are saved, so only they can be offloaded"
+            )
+        if offloaded and offloader is None:
+            raise ValueError(f"{layer_name}: offload_intervals need an offloader (an OffloadEngine)")
         declared = {span for spans in interval_map.values() for span in spans}
         undeclared = kept - declared
         if undeclared:
@@ -178,6 +191,8 @@ class IntervalPolicy:
         self.kept_intervals = kept
         self.layer_name = layer_name
         self.save_collectives = save_collectives
+        self.offload_intervals = offloaded
+        self.offloader = offloader
         opens: dict[str, list[MarkerInterval]] = defaultdict(list)
         closes: dict[str, list[MarkerInterval]] = defaultdict(list)
         for span in declared:
@@ -196,6 +211,8 @@ class IntervalPolicy:
         region, and the marker sink that feeds the same region directly.
         ``layer_name`` names the calling layer in errors (the policy may be shared)."""
         region = _Region(self, layer_name)
+        if self.offload_intervals:
+            return functools.partial(_offloading_contexts, region), region.on_marker
         return functools.partial(create_selective_checkpoint_contexts, region.decide), region.on_marker
 
     def __repr__(self) -> str:
@@ -222,6 +239,12 @@ def _region_contexts(policy: IntervalPolicy):
     return create_selective_checkpoint_contexts(region.decide)
 
 
+def _offloading_contexts(region: _Region):
+    region.saved_order = defaultdict(list)
+    contexts = create_selective_checkpoint_contexts(region.decide)
+    return region.policy.offloader.sac_contexts(contexts, region.saved_order, region.policy.offload_intervals)
+
+
 class _Region:
     """Marker state and decisions for one checkpointed call of one layer."""
 
@@ -237,6 +260,7 @@ class _Region:
         "open",
         "policy",
         "replay_index",
+        "saved_order",
     )
 
     def __init__(self, policy: IntervalPolicy, layer_name: str | None = None) -> None:
@@ -254,6 +278,8 @@ class _Region:
         self.finished = False
         self.log: dict | None = defaultdict(list) if _POLICY_CALLED_ON_RECOMPUTE else None
         self.replay_index: dict = defaultdict(int)
+        # Offloading layers only: per op, the kept interval of each saved output, in order.
+        self.saved_order: dict | None = None
 
     def decide(self, ctx, func, *args, **kwargs) -> CheckpointPolicy:
         if ctx.is_recompute:
@@ -288,6 +314,8 @@ class _Region:
         return decision
 
     def _remember(self, ctx, func, interval: MarkerInterval | None) -> None:
+        if self.saved_order is not None:
+            self.saved_order[func].append(interval)
         # torch < 2.13 gives no op_output: mutations are then caught by torch itself in backward.
         outputs = getattr(ctx, "op_output", None)
         for out in outputs if isinstance(outputs, (tuple, list)) else (outputs,):

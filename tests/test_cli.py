@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from actplan.bench import TORCH_CHECKPOINT, run_bench, to_markdown
+from actplan.bench import OFFLOAD_VARIANTS, TORCH_CHECKPOINT, run_bench, to_markdown
 from actplan.cli import main
 
 
@@ -31,11 +31,12 @@ def test_bench_tiny_writes_json_and_markdown(tmp_path, capsys):
     )
     assert code == 0
     printed = capsys.readouterr().out
-    for policy in ("none", "full", "attn", "matmuls", "megatron-selective", TORCH_CHECKPOINT):
+    expected = {"none", "full", "attn", "matmuls", "megatron-selective", *OFFLOAD_VARIANTS, TORCH_CHECKPOINT}
+    for policy in expected:
         assert policy in printed
     result = json.loads(out_json.read_text())
     rows = {r["name"]: r for r in result["rows"]}
-    assert set(rows) == {"none", "full", "attn", "matmuls", "megatron-selective", TORCH_CHECKPOINT}
+    assert set(rows) == expected
     for row in rows.values():
         assert row["loss_identical"] and row["census_match"] and row["max_abs_grad_diff"] == 0
     act = {name: row["activation_bytes"] for name, row in rows.items()}
@@ -53,6 +54,18 @@ def test_bench_accepts_config_files(tmp_path):
     assert [r.name for r in result.rows] == ["none", "qkv"]
     assert result.row("qkv").parity_ok
     assert "qkv" in to_markdown(result)
+
+
+def test_bench_offload_rows_report_host_tier_and_bytes_moved(tmp_path):
+    plan = tmp_path / "inputs.yaml"
+    plan.write_text("preset: full\noffload: {layer_input: true, min_bytes: 0, skip_last: 0}\n")
+    result = run_bench("dense", "tiny", ("none", "full"), (plan,), repeats=1, warmup=0, reference=False)
+    full, offloaded = result.row("full"), result.row("inputs")
+    assert offloaded.parity_ok and full.offloaded_bytes is None
+    assert offloaded.offloaded_bytes > 0 and offloaded.reloaded_bytes == offloaded.offloaded_bytes
+    assert offloaded.host_peak_bytes >= offloaded.offloaded_bytes
+    assert full.activation_bytes - offloaded.activation_bytes == offloaded.offloaded_bytes
+    assert "## Offload" in to_markdown(result)
 
 
 @pytest.mark.parametrize("clash", ["policy", "file"])

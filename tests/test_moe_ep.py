@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from actplan.bench import OFFLOAD_VARIANTS
 from twoproc import run_two_ranks
 
 pytestmark = pytest.mark.slow
@@ -89,8 +90,20 @@ def test_memory_stays_flat_over_20_steps(results, plan):
 
 
 def test_distributed_bench_reports_parity_and_per_rank_memory(tmp_path):
+    # Offload under expert parallelism: the dispatched tokens and expert outputs of a layer
+    # that is not checkpointed, and the kept units and input of selective layers.
+    (tmp_path / "ep_units.yaml").write_text(
+        "preset: none\noffload: {units: [moe_dispatch, moe_experts], layers: [1], min_bytes: 0}\n"
+    )
+    (tmp_path / "ep_kept.yaml").write_text(
+        "preset: matmuls\noffload: {units: kept, layer_input: true, min_bytes: 0}\n"
+    )
     args = [
         "bench",
+        "--config",
+        str(tmp_path / "ep_units.yaml"),
+        "--config",
+        str(tmp_path / "ep_kept.yaml"),
         "--model",
         "moe",
         "--size",
@@ -106,7 +119,20 @@ def test_distributed_bench_reports_parity_and_per_rank_memory(tmp_path):
     ]
     result = run_two_ranks("-m actplan", args, tmp_path / "bench.json")
     rows = {row["name"]: row for row in result["rows"]}
-    assert set(rows) == {"none", "full", "attn", "matmuls", "megatron-selective"}
+    assert set(rows) == {
+        "none",
+        "full",
+        "attn",
+        "matmuls",
+        "megatron-selective",
+        *OFFLOAD_VARIANTS,
+        "ep_units",
+        "ep_kept",
+    }
+    for name in ("ep_units", "ep_kept"):
+        assert rows[name]["offloaded_bytes"] > 0
+        assert rows[name]["reloaded_bytes"] == rows[name]["offloaded_bytes"]
+    assert rows["ep_kept"]["activation_bytes"] < rows["matmuls"]["activation_bytes"]
     for row in rows.values():
         assert row["loss_identical"] and row["census_match"] and row["max_abs_grad_diff"] == 0.0
         assert len(row["per_rank_memory"]) == 2 and all(act > 0 for act, _ in row["per_rank_memory"])

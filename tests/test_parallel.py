@@ -36,7 +36,8 @@ LOSS_ATOL = 1e-6
 N_LAYERS = 2  # the tiny dense model
 ALL_GATHER = "c10d._allgather_base_.default"
 REDUCE_SCATTER = "c10d._reduce_scatter_base_.default"
-CONFIGS = ("none", "full", "matmuls")
+CONFIGS = ("none", "full", "matmuls", "matmuls+offload", "none+offload")
+MODES = {"none": "none", "full": "full", "matmuls": "selective", "matmuls+offload": "selective"}
 
 
 def run_worker(scenario: str, tmp_path: Path, timeout: float = 120) -> dict:
@@ -60,7 +61,11 @@ def parity(tmp_path_factory):
 def test_sharded_gradients_match_a_single_process(parity, config, reshard):
     assert parity["world_size"] == 2
     result = parity["results"][f"{config}/reshard={reshard}"]
-    assert result["modes"] == [{"none": "none", "full": "full", "matmuls": "selective"}[config]] * N_LAYERS
+    assert result["modes"] == [MODES.get(config, "none")] * N_LAYERS
+    if "offload" in config:
+        assert result["offloaded_bytes"] > 0
+    else:
+        assert result["offloaded_bytes"] is None
     assert result["grads_are_dtensors"]
     single = result["vs_single_process"]
     assert single["census_match"], single["census_diff"]
@@ -85,7 +90,7 @@ def test_noise_floor_is_rounding(parity):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("reshard", [True, False])
-@pytest.mark.parametrize("config", ["full", "matmuls"])
+@pytest.mark.parametrize("config", ["full", "matmuls", "matmuls+offload", "none+offload"])
 def test_recompute_issues_no_extra_all_gather(parity, config, reshard):
     none = parity["results"][f"none/reshard={reshard}"]
     result = parity["results"][f"{config}/reshard={reshard}"]

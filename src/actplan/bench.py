@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from actplan.apply import apply, find_layers
+from actplan.apply import apply, find_layers, offload_engine
 from actplan.config import RecomputeConfig
 from actplan.markers import checkpoint_record, routing_markers
 from actplan.measure import (
@@ -39,7 +39,14 @@ from actplan.models import ModelBundle, build_model
 from actplan.policy import IntervalPolicy
 from actplan.units import MarkerInterval, RecomputeIntervalMap
 
-DEFAULT_POLICIES = ("none", "full", "attn", "matmuls", "megatron-selective")
+OFFLOAD_VARIANTS: dict[str, dict[str, Any]] = {
+    "full+offload": {"preset": "full", "offload": {"layer_input": True}},
+    "matmuls+offload": {"preset": "matmuls", "offload": {"units": "kept"}},
+}
+"""Bench rows that add offload to a preset: the layer inputs of ``full``, the kept units of
+``matmuls`` (every layer but the last, tensors of at least the default ``min_bytes``)."""
+
+DEFAULT_POLICIES = ("none", "full", "attn", "matmuls", "megatron-selective", *OFFLOAD_VARIANTS)
 TORCH_CHECKPOINT = "torch-checkpoint"
 """Reference row: plain ``torch.utils.checkpoint`` per layer, without actplan."""
 
@@ -63,6 +70,10 @@ class PolicyRow:
     ratio_spread: float
     # Expert-parallel runs: every rank's (activation bytes, peak bytes), rank order.
     per_rank_memory: list[tuple[int, int]] | None = None
+    # Offloading rows, over the metered step: host-tier peak and bytes moved each way.
+    host_peak_bytes: int | None = None
+    offloaded_bytes: int | None = None
+    reloaded_bytes: int | None = None
 
 
 @dataclass
@@ -185,6 +196,12 @@ def measure_marker_cost(calls: int = 100_000) -> dict[str, float]:
     return out
 
 
+def _policy_config(name: str) -> RecomputeConfig:
+    if name in OFFLOAD_VARIANTS:
+        return RecomputeConfig.from_dict(OFFLOAD_VARIANTS[name], source=f"bench row {name!r}")
+    return RecomputeConfig.parse(name)
+
+
 def _device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -229,7 +246,7 @@ def run_bench(
         bundle = build_model(model, size)
     batch = {k: v.to(dev) for k, v in bundle.make_batch(rank).items()}
     entries: list[tuple[str, RecomputeConfig | None]] = [("none", RecomputeConfig.from_preset("none"))]
-    entries += [(p, RecomputeConfig.parse(p)) for p in policies if p != "none"]
+    entries += [(p, _policy_config(p)) for p in policies if p != "none"]
     entries += [(Path(c).stem, RecomputeConfig.from_file(c)) for c in configs]
     if reference:
         entries.append((TORCH_CHECKPOINT, None))
@@ -248,6 +265,7 @@ def run_bench(
     contenders = []
     captures: dict[str, StepCapture] = {}
     memory: dict[str, tuple[int, int, int | None]] = {}
+    moved: dict[str, tuple[int, int, int]] = {}
     param_bytes = 0
     for name, config in entries:
         contender = _prepare(bundle, name, config, dev)
@@ -255,9 +273,15 @@ def run_bench(
         # Step 0 builds the optimizer state, so step 1 is metered with it resident.
         captures[name] = _train_step(contender, batch, seed=0, capture=True)
         tick(f"parity {name}", total)
+        engine = offload_engine(contender.model)
+        if engine is not None:
+            engine.reset_stats()
         with MemoryMeter(contender.model, contender.optimizer) as meter:
             _train_step(contender, batch, seed=1, meter=meter)
         report = meter.report()
+        if engine is not None:
+            stats = engine.snapshot()
+            moved[name] = (stats.host_peak_bytes, stats.bytes_offloaded, stats.bytes_reloaded)
         memory[name] = (
             report.marks["forward_end"].activation_bytes,
             report.peak_bytes,
@@ -279,6 +303,7 @@ def run_bench(
         stats = timings[contender.name]
         rel = ratio(stats, timings["none"])
         act, peak, cuda_peak = memory[contender.name]
+        host_peak, offloaded, reloaded = moved.get(contender.name, (None, None, None))
         rows.append(
             PolicyRow(
                 name=contender.name,
@@ -296,6 +321,9 @@ def run_bench(
                 step_q75_s=stats.q75,
                 ratio_to_none=rel.median,
                 ratio_spread=rel.spread,
+                host_peak_bytes=host_peak,
+                offloaded_bytes=offloaded,
+                reloaded_bytes=reloaded,
             )
         )
     if ep > 1:
@@ -419,6 +447,22 @@ def to_markdown(result: BenchResult) -> str:
             f"{'match' if r.census_match else 'MISMATCH'} | {mib(r.activation_bytes)} | {rel:.2f} | "
             f"{mib(r.peak_bytes)} | {r.step_median_s:.3f} | {r.ratio_to_none:.3f} ± {r.ratio_spread:.3f} |"
         )
+    offloading = [r for r in result.rows if r.offloaded_bytes is not None]
+    if offloading:
+        lines += [
+            "",
+            "## Offload (over one training step)",
+            "",
+            "| policy | device-tier activations @ fwd end (MiB) | host-tier peak (MiB) "
+            "| moved to host (MiB) | moved back (MiB) | ratio to none |",
+            "|---|---|---|---|---|---|",
+        ]
+        for r in offloading:
+            lines.append(
+                f"| {r.name} | {mib(r.activation_bytes)} | {mib(r.host_peak_bytes)} | "
+                f"{mib(r.offloaded_bytes)} | {mib(r.reloaded_bytes)} | "
+                f"{r.ratio_to_none:.3f} ± {r.ratio_spread:.3f} |"
+            )
     if any(r.per_rank_memory for r in result.rows):
         lines += ["", "## Per-rank memory (activations @ fwd end / peak, MiB)", ""]
         for r in result.rows:

@@ -13,7 +13,15 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from actplan.bench import DEFAULT_POLICIES, BenchResult, mib, run_bench, to_markdown, write_json
+from actplan.bench import (
+    DEFAULT_POLICIES,
+    OFFLOAD_VARIANTS,
+    BenchResult,
+    mib,
+    run_bench,
+    to_markdown,
+    write_json,
+)
 from actplan.config import PRESETS, ConfigError
 from actplan.models import MODELS
 
@@ -124,9 +132,19 @@ def bench_table(result: BenchResult) -> Table:
     expert_parallel = any(r.per_rank_memory for r in result.rows)
     if expert_parallel:
         table.add_column("per-rank act./peak MiB", justify="right", no_wrap=True)
+    offloading = any(r.offloaded_bytes is not None for r in result.rows)
+    if offloading:
+        table.add_column("host peak MiB", justify="right", no_wrap=True)
+        table.add_column("moved out/in MiB", justify="right", no_wrap=True)
     none = result.row("none")
     for r in result.rows:
         per_rank = [" | ".join(f"{mib(a)}/{mib(p)}" for a, p in r.per_rank_memory)] if expert_parallel else []
+        if offloading:
+            per_rank += (
+                ["-", "-"]
+                if r.offloaded_bytes is None
+                else [mib(r.host_peak_bytes), f"{mib(r.offloaded_bytes)}/{mib(r.reloaded_bytes)}"]
+            )
         table.add_row(
             r.name,
             "[green]yes[/]" if r.loss_identical else "[red]NO[/]",
@@ -149,8 +167,15 @@ def _explain(args: argparse.Namespace, console: Console) -> int:
 
     bundle = build_model(args.model, args.size)
     plan = plan_for(bundle.model, args.config)
-    table = Table(title=f"plan for {bundle.description}", caption=plan.summary())
-    for column in ("layer", "module", "class", "mode", "kept units", "routing saved", "from"):
+    caption = plan.summary()
+    offload = plan.config.offload
+    if offload is not None:
+        caption += (
+            f"\noffload: tensors of at least {offload.min_bytes:,} bytes, host pool cap "
+            f"{offload.host_cap:,} bytes, prefetch {offload.prefetch} layer(s) ahead"
+        )
+    table = Table(title=f"plan for {bundle.description}", caption=caption)
+    for column in ("layer", "module", "class", "mode", "kept units", "routing saved", "offloaded", "from"):
         table.add_column(column)
     for layer in plan.layers:
         kept = ", ".join(u.value for u in layer.kept_units) if layer.mode == "selective" else "-"
@@ -162,6 +187,7 @@ def _explain(args: argparse.Namespace, console: Console) -> int:
             layer.mode,
             kept or "(none)",
             routing,
+            layer.describe_offload() or "-",
             layer.source,
         )
     console.print(table)
@@ -204,7 +230,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--policies",
         default=",".join(DEFAULT_POLICIES),
-        help=f"comma-separated presets (known: {', '.join(PRESETS)})",
+        help=f"comma-separated presets (known: {', '.join(PRESETS)}) and offload rows "
+        f"({', '.join(OFFLOAD_VARIANTS)})",
     )
     bench.add_argument(
         "--config",

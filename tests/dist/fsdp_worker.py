@@ -39,7 +39,12 @@ from actplan.parallel import parallelize
 # torch.distributed), functional collectives, and FSDP2's own copy-in/out custom ops.
 COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional", "fsdp")
 GLOBAL_BATCH = 4
-CONFIGS = ("none", "full", "matmuls")
+# Offload under FSDP2: kept units and the input of selective layers; units of plain layers.
+OFFLOAD_CONFIGS = {
+    "matmuls+offload": {"preset": "matmuls", "offload": {"units": "kept", "layer_input": True, "min_bytes": 0}},
+    "none+offload": {"preset": "none", "offload": {"units": ["attn_core", "mlp_up"], "min_bytes": 0}},
+}
+CONFIGS = ("none", "full", "matmuls", *OFFLOAD_CONFIGS)
 
 
 def collective_counts(counter: OpCounter) -> dict[str, int]:
@@ -62,7 +67,13 @@ def reference_step(bundle) -> actplan.measure.StepCapture:
 def sharded_step(bundle, mesh, config, *, reshard: bool, compile_options=None) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     model = copy.deepcopy(bundle.model)
-    plan = parallelize(model, mesh, config, reshard_after_forward=reshard, compile=compile_options or False)
+    plan = parallelize(
+        model,
+        mesh,
+        OFFLOAD_CONFIGS.get(config, config),
+        reshard_after_forward=reshard,
+        compile=compile_options or False,
+    )
     batch = local_batch(bundle.make_batch(0), rank, world)
     # Module calls of each layer: a replay that went through the module would re-fire FSDP's hooks.
     layer_calls: Counter = Counter()
@@ -85,7 +96,9 @@ def sharded_step(bundle, mesh, config, *, reshard: bool, compile_options=None) -
     targets = dict(unsharded.named_parameters())
     for name, param in model.named_parameters():
         targets[name].grad = None if param.grad is None else param.grad.full_tensor()
+    engine = actplan.offload_engine(model)
     return {
+        "offloaded_bytes": engine.stats.bytes_offloaded if engine is not None else None,
         "capture": capture_step(unsharded, global_loss),
         "modes": [layer.mode for layer in plan.layers],
         "forward_collectives": collective_counts(forward_ops),

@@ -370,7 +370,7 @@ def test_in_place_change_of_an_offloaded_tensor_fails_like_autograd():
         ({"preset": "full", "offload": {"units": ["moe_experts"]}}, "does not declare"),
         ({"preset": "full", "offload": {"units": ["mlp_up"]}}, "fully recomputed.*layer_input"),
         ({"preset": "attn", "offload": {"units": ["mlp_up"]}}, "recomputes mlp_up"),
-        ({"preset": "full", "offload": {"units": "kept"}}, "keeps no unit"),
+        ({"preset": "full", "offload": {"units": "kept"}}, "none of them keeps a unit"),
         ({"preset": "none", "offload": {"layer_input": True}}, "not checkpointed"),
         ({"preset": "full", "offload": {"layer_input": True, "host_cap": 100}}, "below the smallest"),
         ({"preset": "full", "offload": {}}, "move nothing"),
@@ -383,6 +383,15 @@ def test_offload_config_errors_name_the_problem(config, message):
     model = build_model("dense", "tiny", n_layers=2).model
     with pytest.raises(ConfigError, match=message):
         actplan.apply(model, config)
+
+
+def test_kept_follows_each_layer_and_skips_layers_that_keep_nothing():
+    model = build_model("dense", "tiny", n_layers=3).model
+    plan = actplan.plan_for(
+        model,
+        {"preset": "attn", "overrides": [{"layers": [0], "mode": "full"}], "offload": {"units": "kept"}},
+    )
+    assert [layer.describe_offload() for layer in plan.layers] == ["", "attn_core", ""]
 
 
 def test_default_skips_the_last_layer_and_errors_when_that_leaves_none():

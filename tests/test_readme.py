@@ -33,8 +33,20 @@ def test_readme_python_blocks_run_and_are_exact():
         return [p.grad for p in model.parameters()]
 
     baseline = grads(None)
-    for config in ("full", {"mode": "selective", "keep": ["mlp_up"], "layers": "0-2"}):
+    offload = {"preset": "full", "offload": {"layer_input": True, "min_bytes": 0}}
+    for config in ("full", {"mode": "selective", "keep": ["mlp_up"], "layers": "0-2"}, offload):
         assert all(torch.equal(a, b) for a, b in zip(grads(config), baseline, strict=True))
+
+
+def test_readme_yaml_config_applies_to_the_dense_model():
+    yaml_blocks = re.findall(r"```yaml\n(.*?)```", README.read_text(), flags=re.S)
+    assert yaml_blocks
+    from actplan.models import build_model
+
+    model = build_model("dense", "tiny", n_layers=3).model
+    for text in yaml_blocks:
+        plan = actplan.apply(model, actplan.RecomputeConfig.from_yaml(text, source="README.md"))
+        assert plan.layers[0].mode == "full" and plan.layers[1].offload_units
 
 
 @pytest.mark.slow

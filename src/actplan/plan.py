@@ -202,11 +202,7 @@ def _with_offload(
                 "checkpoint the layer, or narrow offload.layers"
             )
         if offload.units == "kept":
-            if layer.mode != "selective" or not layer.kept_units:
-                raise ConfigError(
-                    f"{where} is {layer.mode} and keeps no unit, so 'kept' offloads nothing there; "
-                    "narrow offload.layers to selective layers that keep units"
-                )
+            # Whatever each layer keeps; a layer keeping nothing is fine if another keeps units.
             units = layer.kept_units
         else:
             _require_declared(offload.units, "offload.units", spec)
@@ -228,6 +224,16 @@ def _with_offload(
             offload_units=units,
             offload_intervals=spec.interval_map.intervals_of(units),
             offload_input=offload.layer_input,
+        )
+    if (
+        offload.units == "kept"
+        and not offload.layer_input
+        and not any(out[i].offload_units for i in selected)
+    ):
+        raise ConfigError(
+            "offload.units: 'kept' offloads what each selected layer keeps, and none of them keeps a "
+            "unit (they are full or not checkpointed), so it would move nothing; select layers with "
+            "kept units, list units, or offload layer_input"
         )
     return tuple(out)
 

@@ -1,0 +1,238 @@
+"""GPU check for offload: copy bandwidth, then peak memory and step time with and without offload.
+
+    python -m bench.gpu_offload                       # on a CUDA machine: the full check
+    python -m bench.gpu_offload --device cpu --size tiny --min-bytes 0   # smoke run anywhere
+
+1. Copy bandwidth between pinned host memory and the device, both directions.
+2. For a dense and an MoE model at a size that fills a few GiB of activations, one
+   interleaved run of ``none``, ``full``, ``full`` with the layer inputs offloaded,
+   ``matmuls`` and ``matmuls`` with its kept units offloaded: peak device memory
+   (``torch.cuda.max_memory_allocated``, or the dispatch-level meter off CUDA), median
+   step time, bytes moved each way, and the loss and gradient norm against ``none``.
+3. Derived: how much of the layer-input copy time the overlap hides
+   (``1 - (t[full+offload] - t[full]) / copy_time``, goal >= 0.9 at hidden size >= 4096) and
+   how far the peak drops against the bytes offloaded.
+
+Prints a table and writes JSON (default ``bench/results/gpu_offload.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import actplan
+from actplan.measure import MemoryMeter, interleaved_timing
+from actplan.models import build_model
+
+
+def configs(min_bytes: str) -> dict[str, Any]:
+    """The compared plans; ``min_bytes`` is the offload size threshold."""
+    return {
+        "none": "none",
+        "full": "full",
+        "full+offload": {"preset": "full", "offload": {"layer_input": True, "min_bytes": min_bytes}},
+        "matmuls": "matmuls",
+        "matmuls+offload": {"preset": "matmuls", "offload": {"units": "kept", "min_bytes": min_bytes}},
+    }
+
+
+# Sizes: `gpu` fills a few GiB of activations on an H200-class device; `tiny` is a smoke run.
+SIZES: dict[str, dict[str, tuple[str, dict[str, Any]]]] = {
+    "gpu": {
+        "dense": (
+            "small",
+            dict(
+                dim=4096, n_layers=6, n_heads=32, n_kv_heads=8, ffn_dim=11008,
+                vocab_size=32000, max_seq_len=4096, seq_len=4096, batch_size=1,
+            ),
+        ),
+        "moe": (
+            "small",
+            dict(
+                dim=4096, n_layers=4, n_heads=32, n_kv_heads=8, ffn_dim=11008, n_experts=8, top_k=2,
+                expert_ffn_dim=2048, shared_expert_ffn_dim=2048, vocab_size=32000, max_seq_len=4096,
+                seq_len=4096, batch_size=1,
+            ),
+        ),
+    },
+    "tiny": {"dense": ("tiny", {}), "moe": ("tiny", {})},
+}  # fmt: skip
+
+
+def copy_bandwidth(device: torch.device, nbytes: int, repeats: int = 5) -> dict[str, float]:
+    """Best-of-``repeats`` bytes per second, pinned host <-> device, each direction."""
+    pin = device.type == "cuda"
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    out = {}
+    for label, (dst, src) in {"device_to_host": (host, dev), "host_to_device": (dev, host)}.items():
+        best = float("inf")
+        for _ in range(repeats + 1):
+            if pin:
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            dst.copy_(src, non_blocking=pin)
+            if pin:
+                torch.cuda.synchronize(device)
+            best = min(best, time.perf_counter() - start)
+        out[label] = nbytes / best
+    return out
+
+
+def _step(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[float, float]:
+    torch.manual_seed(0)
+    loss = model(**batch)["loss"]
+    loss.backward()
+    norm = torch.linalg.vector_norm(
+        torch.stack([p.grad.float().norm() for p in model.parameters() if p.grad is not None])
+    ).item()
+    model.zero_grad(set_to_none=True)
+    return loss.item(), norm
+
+
+def _peak_bytes(model: torch.nn.Module, batch: dict[str, torch.Tensor], device: torch.device) -> int:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        _step(model, batch)
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device)
+    with MemoryMeter(model) as meter:
+        _step(model, batch)
+    return meter.report().peak_bytes
+
+
+def run_model(
+    name: str, size: str, device: torch.device, repeats: int, warmup: int, min_bytes: str
+) -> dict[str, Any]:
+    preset, overrides = SIZES[size][name]
+    bundle = build_model(name, preset, **overrides)
+    batch = {k: v.to(device) for k, v in bundle.make_batch(0).items()}
+    base = bundle.model.to(device)
+    models = {}
+    for label, config in configs(min_bytes).items():
+        model = copy.deepcopy(base)
+        actplan.apply(model, config)
+        models[label] = model
+        print(f"  {name}: prepared {label}", file=sys.stderr, flush=True)
+    rows: dict[str, dict[str, Any]] = {}
+    for label, model in models.items():
+        loss, norm = _step(model, batch)  # warm-up and parity
+        engine = actplan.offload_engine(model)
+        if engine is not None:
+            engine.reset_stats()
+        peak = _peak_bytes(model, batch, device)
+        stats = engine.snapshot() if engine is not None else None
+        rows[label] = {
+            "loss": loss,
+            "grad_norm": norm,
+            "peak_bytes": peak,
+            "offloaded_bytes": stats.bytes_offloaded if stats else 0,
+            "reloaded_bytes": stats.bytes_reloaded if stats else 0,
+            "host_peak_bytes": stats.host_peak_bytes if stats else 0,
+            "host_fallbacks": stats.host_fallbacks if stats else 0,
+        }
+    timings = interleaved_timing(
+        {label: (lambda m=model: _step(m, batch)) for label, model in models.items()},
+        repeats=repeats,
+        warmup=warmup,
+    )
+    for label, row in rows.items():
+        row["step_median_s"] = timings[label].median
+        row["ratio_to_none"] = statistics.median(
+            a / b for a, b in zip(timings[label].samples, timings["none"].samples, strict=True)
+        )
+        row["loss_identical"] = row["loss"] == rows["none"]["loss"]
+        row["grad_norm_rel_diff"] = (
+            abs(row["grad_norm"] - rows["none"]["grad_norm"]) / rows["none"]["grad_norm"]
+        )
+    return {"model": bundle.description, "hidden_size": overrides.get("dim"), "rows": rows}
+
+
+def overlap_figures(result: dict[str, Any], bandwidth: dict[str, float]) -> dict[str, float]:
+    """Exposed copy time and peak saving of offloading layer inputs, against ``full``."""
+    full, offload = result["rows"]["full"], result["rows"]["full+offload"]
+    copy_seconds = (
+        offload["offloaded_bytes"] / bandwidth["device_to_host"]
+        + offload["reloaded_bytes"] / bandwidth["host_to_device"]
+    )
+    exposed = max(offload["step_median_s"] - full["step_median_s"], 0.0)
+    return {
+        "copy_seconds": copy_seconds,
+        "exposed_seconds": exposed,
+        "hidden_fraction": 1.0 - exposed / copy_seconds if copy_seconds else float("nan"),
+        "peak_cut_bytes": full["peak_bytes"] - offload["peak_bytes"],
+        "offloaded_bytes": offload["offloaded_bytes"],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--size", choices=sorted(SIZES), default="gpu")
+    parser.add_argument("--models", default="dense,moe")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--min-bytes", default="64KiB", help="offload size threshold")
+    parser.add_argument("--json", default="bench/results/gpu_offload.json")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+    bandwidth = copy_bandwidth(device, (1 << 30) if args.size == "gpu" else (1 << 20))
+    print(
+        f"copy bandwidth: device->host {bandwidth['device_to_host'] / 1e9:.1f} GB/s, "
+        f"host->device {bandwidth['host_to_device'] / 1e9:.1f} GB/s",
+        flush=True,
+    )
+    out: dict[str, Any] = {
+        "command": "python -m bench.gpu_offload " + " ".join(sys.argv[1:] if argv is None else argv),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else str(device),
+        "torch_version": torch.__version__,
+        "machine": f"{platform.system()} {platform.machine()}",
+        "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "bandwidth_bytes_per_s": bandwidth,
+        "models": {},
+    }
+    for name in [m.strip() for m in args.models.split(",") if m.strip()]:
+        result = run_model(name, args.size, device, args.repeats, args.warmup, args.min_bytes)
+        result["layer_input_offload"] = overlap_figures(result, bandwidth)
+        out["models"][name] = result
+        print(f"\n{result['model']}")
+        print(
+            f"{'config':<16} {'peak MiB':>10} {'moved MiB':>10} {'step s':>8} {'vs none':>8} {'loss same':>9}"
+        )
+        for label, row in result["rows"].items():
+            print(
+                f"{label:<16} {row['peak_bytes'] / 2**20:10.1f} {row['offloaded_bytes'] / 2**20:10.1f} "
+                f"{row['step_median_s']:8.3f} {row['ratio_to_none']:8.3f} {row['loss_identical']!s:>9}"
+            )
+        figures = result["layer_input_offload"]
+        print(
+            f"layer-input offload: copy {figures['copy_seconds'] * 1e3:.1f} ms, exposed "
+            f"{figures['exposed_seconds'] * 1e3:.1f} ms, hidden {figures['hidden_fraction']:.2%}; peak cut "
+            f"{figures['peak_cut_bytes'] / 2**20:.1f} MiB of "
+            f"{figures['offloaded_bytes'] / 2**20:.1f} MiB offloaded",
+            flush=True,
+        )
+        del result
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+    print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -307,16 +307,24 @@ class _Moved:
     def start_reload(self) -> None:
         if self.reloaded is not None or self.host is None:
             return
-        # Allocated through the dispatcher on purpose: a memory meter counts reloaded bytes.
-        target = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
-        self.release_source_if_copied()
-        self.copy_in = self.copies.copy_in(self.host.tensor[: self.nbytes], target, self.copy_out)
-        self.reloaded = target
-        self.engine.stats.bytes_reloaded += self.nbytes
-        # The host buffer goes back once the copy-in is done reading it.
-        self.engine.pool.release(self.host, self.copy_in)
+        stats = self.engine.stats
+        if not self.release_source_if_copied():
+            # The copy-out is still running, so the data never left the device: use it and skip
+            # the copy-in. The allocator must not reuse that memory before the copy-out stream
+            # is done reading it, whenever the last view of it dies.
+            self.reloaded = self.source
+            self.source = None
+            self.reloaded.record_stream(self.copies.out_stream)
+            stats.bytes_reload_skipped += self.nbytes
+        else:
+            # Allocated through the dispatcher on purpose: a memory meter counts reloaded bytes.
+            target = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
+            self.copy_in = self.copies.copy_in(self.host.tensor[: self.nbytes], target, self.copy_out)
+            self.reloaded = target
+            stats.bytes_reloaded += self.nbytes
+        # The host buffer goes back once the last copy touching it is done.
+        self.engine.pool.release(self.host, self.copy_in if self.copy_in is not None else self.copy_out)
         self.host = None
-        self.source = None
 
     def release_source_if_copied(self) -> bool:
         if self.source is not None and _done(self.copy_out):
@@ -385,12 +393,13 @@ class OffloadStats:
 
     bytes_offloaded: int = 0  # device-to-host, each storage once
     bytes_reloaded: int = 0  # host-to-device
+    bytes_reload_skipped: int = 0  # copy-out still running at reload time: the device copy was used
     storages_moved: int = 0
     tensors_offloaded: int = 0  # saved tensors replaced by a handle (views counted each)
     dedup_hits: int = 0  # saved tensors whose storage had already been moved
     skipped_small: int = 0
     skipped_parameters: int = 0  # parameters and module buffers
-    skipped_other: int = 0  # subclasses, conjugate views, non-strided layouts, other devices
+    skipped_other: int = 0  # subclasses, conj/neg views, non-strided, host tensors on a GPU setup
     host_peak_bytes: int = 0
     host_in_use_bytes: int = 0
     host_reserved_bytes: int = 0
@@ -503,6 +512,9 @@ class OffloadEngine:
         if tensor.is_conj() or tensor.is_neg() or tensor.is_meta:
             stats.skipped_other += 1
             return tensor
+        if self.pool.pin and tensor.device.type == "cpu":
+            stats.skipped_other += 1  # already in host memory
+            return tensor
         storage = tensor.untyped_storage()
         key = storage._cdata
         nbytes = storage.nbytes()
@@ -538,8 +550,8 @@ class OffloadEngine:
             self._warned_empty.add(group.name)
             warnings.warn(
                 f"{group.name}: offload of {what} moved nothing in this call (every candidate was "
-                f"a parameter, a buffer, or smaller than min_bytes={self.min_bytes:,}); lower "
-                "offload.min_bytes or drop this layer from offload",
+                "a parameter or another leaf that requires grad, a module buffer, or smaller than "
+                f"min_bytes={self.min_bytes:,}); lower offload.min_bytes or drop this layer from offload",
                 stacklevel=3,
             )
 
@@ -553,6 +565,7 @@ class OffloadEngine:
         """Reload ``group`` (if not yet) and prefetch the groups before it in its pass."""
         if group.loaded:
             return
+        self._release_copied_sources()
         self._load(group)
         if self.prefetch:
             ahead = 0

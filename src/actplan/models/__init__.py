@@ -8,6 +8,7 @@ analytic activation floor. Models import only ``actplan.markers`` and
 from __future__ import annotations
 
 import functools
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
@@ -66,3 +67,39 @@ def build_model(name: str = "dense", size: str = "small", **overrides) -> ModelB
         make_batch=functools.partial(module.make_batch, config),
         description=f"{name} {size}: {_describe(name, config)}",
     )
+
+
+def load_model(spec: str, size: str = "small") -> ModelBundle:
+    """A built-in model by name, or a user model given as ``package.module:factory``.
+
+    The factory is called with no arguments and returns either a ``ModelBundle`` or a pair
+    ``(model, make_batch)``: ``make_batch(seed)`` returns the keyword arguments of one
+    training step, and ``model(**make_batch(seed))`` returns the loss (a scalar tensor, or a
+    dict with a ``"loss"`` entry). Its checkpointable layers are the modules whose class
+    declares ``recompute_intervals``.
+    """
+    if spec in MODELS:
+        return build_model(spec, size)
+    if ":" not in spec:
+        raise ValueError(
+            f"unknown model {spec!r}: give a built-in name ({', '.join(MODELS)}) or a factory as "
+            "'package.module:function'"
+        )
+    module_name, _, attribute = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ValueError(f"cannot import {module_name!r} for model {spec!r}: {err}") from None
+    factory = getattr(module, attribute, None)
+    if not callable(factory):
+        raise ValueError(f"{module_name!r} has no callable {attribute!r} (model {spec!r})")
+    made = factory()
+    if isinstance(made, ModelBundle):
+        return made
+    if not (isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], nn.Module) and callable(made[1])):
+        raise ValueError(
+            f"model factory {spec!r} returned {type(made).__name__}; return a ModelBundle or a pair "
+            "(model, make_batch) where make_batch(seed) gives the model's keyword arguments"
+        )
+    model, make_batch = made
+    return ModelBundle(name=spec, size="custom", model=model, make_batch=make_batch, description=spec)

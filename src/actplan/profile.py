@@ -1,0 +1,512 @@
+"""Measure what each way of running a layer costs: the input of the budget planner.
+
+``profile_model`` runs each distinct layer type (same class, parameter shapes and input
+shapes) once per candidate, in isolation on inputs captured from a real forward, with the
+memory meter and the interleaved timer:
+
+* ``retained_bytes``: device bytes the layer leaves alive at the end of its forward (its
+  saved tensors, its input when it saves it; not its output, which the next layer owns);
+* ``transient_bytes``: what its backward, recompute included, needs on top at its peak;
+* ``extra_seconds``: forward+backward time over the ``none`` candidate (median of paired
+  rounds); offload is charged its exposed copy time from a bandwidth figure;
+* ``offloaded_bytes``: what offload moved to the host tier.
+
+Candidates: ``none``, ``full``, each preset, a greedy chain (starting from ``full``, add
+the unit that saves the most time per byte kept, until every unit is kept), and, for every
+checkpointed candidate, the same with its input and kept units offloaded. The fixed costs
+(parameters, gradients, AdamW state, activations outside the layers) and the step time
+without checkpointing come from whole-model steps. Results are JSON, cached by a key of
+model, shapes, dtype, device and torch version.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves, tree_map
+
+import actplan
+from actplan.apply import find_layers, interval_map_of, offload_engine
+from actplan.config import PRESETS, RecomputeConfig
+from actplan.measure import MemoryMeter, interleaved_timing
+from actplan.models import ModelBundle
+from actplan.planner import Candidate, PlanProblem
+from actplan.sizes import DEFAULT_OFFLOAD_MIN_BYTES
+
+PROFILE_FORMAT = 1
+
+
+@dataclass
+class CandidateProfile:
+    """One way to run a layer type, and what it cost."""
+
+    name: str
+    mode: str  # none, full, selective
+    kept_units: list[str]
+    offload: bool  # layer input and kept units moved to the host tier
+    retained_bytes: int = 0
+    transient_bytes: int = 0
+    layer_seconds: float = 0.0
+    extra_seconds: float = 0.0
+    offloaded_bytes: int = 0
+
+    def config_choice(self) -> dict[str, Any]:
+        if self.mode == "selective":
+            return {"mode": "selective", "keep": list(self.kept_units)}
+        return {"mode": self.mode}
+
+
+@dataclass
+class LayerTypeProfile:
+    key: str
+    class_name: str
+    layer_indices: list[int]
+    candidates: list[CandidateProfile]
+
+    def candidate(self, name: str) -> CandidateProfile:
+        return next(c for c in self.candidates if c.name == name)
+
+
+@dataclass
+class ModelProfile:
+    model: str
+    cache_key: str
+    device: str
+    torch_version: str
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    nonlayer_activation_bytes: int
+    base_seconds: float
+    none_peak_bytes: int
+    full_peak_bytes: int
+    bandwidth_bytes_per_s: dict[str, float]
+    copies_overlap: bool
+    min_bytes: int
+    layer_types: list[LayerTypeProfile]
+    layer_type_of: list[str]  # per layer index, its type key
+    seconds_spent: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def fixed_bytes(self) -> int:
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes + self.nonlayer_activation_bytes
+
+    def type_of(self, index: int) -> LayerTypeProfile:
+        key = self.layer_type_of[index]
+        return next(t for t in self.layer_types if t.key == key)
+
+    def problem(self) -> PlanProblem:
+        """The planner's input: every layer's candidates with their measured costs."""
+        layers = []
+        for index in range(len(self.layer_type_of)):
+            layers.append(
+                tuple(
+                    Candidate(c.name, c.retained_bytes, c.transient_bytes, c.extra_seconds, c.offloaded_bytes)
+                    for c in self.type_of(index).candidates
+                )
+            )
+        return PlanProblem(layers=tuple(layers), fixed_bytes=self.fixed_bytes, base_seconds=self.base_seconds)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str) -> ModelProfile:
+        data = json.loads(text)
+        data["layer_types"] = [
+            LayerTypeProfile(**{**t, "candidates": [CandidateProfile(**c) for c in t["candidates"]]})
+            for t in data["layer_types"]
+        ]
+        return cls(**data)
+
+
+# ---------------------------------------------------------------------------------------------
+# Cache
+
+
+def cache_key(bundle: ModelBundle, spec: str, device: torch.device, min_bytes: int) -> str:
+    """A digest of everything a profile depends on: model spec, parameter and batch shapes and
+    dtypes, device type, torch version, offload threshold and this file's format."""
+    batch = bundle.make_batch(0)
+    described = {
+        "spec": spec,
+        "params": [(name, list(p.shape), str(p.dtype)) for name, p in bundle.model.named_parameters()],
+        "batch": {k: (list(v.shape), str(v.dtype)) for k, v in batch.items() if isinstance(v, torch.Tensor)},
+        "device": device.type,
+        "torch": torch.__version__,
+        "min_bytes": min_bytes,
+        "format": PROFILE_FORMAT,
+    }
+    return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def default_cache_dir() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(root) / "actplan" / "profiles"
+
+
+def load_cached(cache_dir: Path, key: str) -> ModelProfile | None:
+    path = cache_dir / f"{key}.json"
+    if not path.is_file():
+        return None
+    try:
+        return ModelProfile.from_json(path.read_text())
+    except (json.JSONDecodeError, TypeError, KeyError):
+        return None  # an older or damaged file: profile again
+
+
+def store(cache_dir: Path, profile: ModelProfile) -> Path:
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    path = cache_dir / f"{profile.cache_key}.json"
+    path.write_text(profile.to_json())
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# Measuring
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 64 * 2**20, repeats: int = 3) -> dict[str, float]:
+    """Bytes per second between the device and (pinned, on CUDA) host memory, best of ``repeats``."""
+    pin = device.type == "cuda"
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    out = {}
+    for label, (dst, src) in {"device_to_host": (host, dev), "host_to_device": (dev, host)}.items():
+        best = float("inf")
+        for _ in range(repeats + 1):
+            if pin:
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            dst.copy_(src, non_blocking=pin)
+            if pin:
+                torch.cuda.synchronize(device)
+            best = min(best, time.perf_counter() - start)
+        out[label] = nbytes / best
+    return out
+
+
+def _loss(output: Any) -> torch.Tensor:
+    return output["loss"] if isinstance(output, dict) else output
+
+
+def _model_step(model: nn.Module, batch: dict, optimizer: torch.optim.Optimizer | None, seed: int = 0) -> None:
+    torch.manual_seed(seed)
+    _loss(model(**batch)).backward()
+    if optimizer is not None:
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
+def _type_key(module: nn.Module, args: tuple, kwargs: dict) -> str:
+    shapes = [
+        (list(t.shape), str(t.dtype)) if isinstance(t, torch.Tensor) else type(t).__name__
+        for t in tree_leaves((args, kwargs))
+    ]
+    params = [list(p.shape) for p in module.parameters()]
+    return f"{type(module).__name__}:{hashlib.sha256(json.dumps([shapes, params]).encode()).hexdigest()[:12]}"
+
+
+def _capture_layer_inputs(model: nn.Module, batch: dict) -> list[tuple[str, tuple, dict]]:
+    """Per layer, its type key and a detached copy of the inputs of one forward."""
+    captured: list[tuple[str, tuple, dict] | None] = [None] * len(find_layers(model))
+    handles = []
+    for index, (_, layer) in enumerate(find_layers(model)):
+
+        def hook(module, args, kwargs, index=index):
+            if captured[index] is None:
+                detached = tree_map(lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, (args, kwargs))
+                captured[index] = (_type_key(module, args, kwargs), *detached)
+
+        handles.append(layer.register_forward_pre_hook(hook, with_kwargs=True))
+    try:
+        with torch.no_grad():
+            torch.manual_seed(0)
+            model(**batch)
+    finally:
+        for handle in handles:
+            handle.remove()
+    missing = [i for i, c in enumerate(captured) if c is None]
+    if missing:
+        raise RuntimeError(f"layers {missing} did not run in a forward pass; a profile needs every layer to run")
+    return captured  # type: ignore[return-value]
+
+
+class _IsolatedLayer:
+    """One layer type's representative, run alone on captured inputs under a candidate."""
+
+    def __init__(self, layer: nn.Module, args: tuple, kwargs: dict, min_bytes: int) -> None:
+        self.layer = layer
+        self.args, self.kwargs = args, kwargs
+        self.min_bytes = min_bytes
+        # The gradient arriving from the next layer: fixed, so every candidate sees the same.
+        out = self._plain_output()
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        self.grads = [
+            torch.randn(t.shape, generator=gen, dtype=t.dtype).to(t.device)
+            for t in tree_leaves(out)
+            if isinstance(t, torch.Tensor) and t.requires_grad
+        ]
+
+    def _inputs(self) -> tuple[tuple, dict]:
+        # Fresh non-leaf copies, so the layer's own saved set decides whether they stay alive.
+        def fresh(t):
+            if not isinstance(t, torch.Tensor):
+                return t
+            if t.is_floating_point():
+                return t.clone().requires_grad_(True) * 1.0
+            return t.clone()
+
+        return tree_map(fresh, (self.args, self.kwargs))
+
+    def _plain_output(self):
+        args, kwargs = self._inputs()
+        torch.manual_seed(0)
+        return self.layer(*args, **kwargs)
+
+    def prepared(self, candidate: CandidateProfile) -> nn.Module:
+        layer = copy.deepcopy(self.layer)
+        config: dict[str, Any] = candidate.config_choice()
+        if candidate.offload:
+            config["offload"] = {"layer_input": True, "layers": "all", "min_bytes": self.min_bytes}
+            if candidate.kept_units:
+                config["offload"]["units"] = "kept"
+        actplan.apply(layer, RecomputeConfig.from_dict(config, source=f"candidate {candidate.name}"))
+        for p in layer.parameters():
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)  # accumulate in place: grads are a fixed cost
+        return layer
+
+    def step(self, layer: nn.Module, meter: MemoryMeter | None = None) -> dict[str, int]:
+        torch.manual_seed(0)
+        args, kwargs = self._inputs()
+        out = layer(*args, **kwargs)
+        del args, kwargs
+        outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+        figures = {}
+        if meter is not None:
+            live = meter.mark("forward_end").live_bytes
+            out_storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tree_leaves(out)
+                            if isinstance(t, torch.Tensor)}
+            figures["retained"] = live - sum(out_storages.values())
+            figures["live_forward_end"] = live
+        torch.autograd.backward(outputs, self.grads)
+        return figures
+
+    def measure_memory(self, candidate: CandidateProfile) -> None:
+        layer = self.prepared(candidate)
+        self.step(layer)  # warm-up: lazily created state must not count
+        engine = offload_engine(layer)
+        if engine is not None:
+            engine.reset_stats()
+        with MemoryMeter(layer) as meter:
+            figures = self.step(layer, meter)
+        report = meter.report()
+        candidate.retained_bytes = max(figures["retained"], 0)
+        candidate.transient_bytes = max(report.peak_live_bytes - figures["live_forward_end"], 0)
+        candidate.offloaded_bytes = engine.stats.bytes_offloaded if engine is not None else 0
+
+    def measure_time(self, candidates: list[CandidateProfile], repeats: int, warmup: int) -> None:
+        layers = {c.name: self.prepared(c) for c in candidates}
+        timings = interleaved_timing(
+            {name: (lambda layer=layer: self.step(layer)) for name, layer in layers.items()},
+            repeats=repeats,
+            warmup=warmup,
+        )
+        reference = timings["none"]
+        for c in candidates:
+            own = timings[c.name]
+            c.layer_seconds = own.median
+            paired = sorted(a - b for a, b in zip(own.samples, reference.samples, strict=True))
+            # More recompute is never cheaper: a negative difference is timer noise.
+            c.extra_seconds = max(paired[len(paired) // 2], 0.0) if c.name != "none" else 0.0
+
+
+def _kept_set_name(units: list[str]) -> str:
+    return "keep " + "+".join(units) if units else "full"
+
+
+def _exposed_seconds(candidate: CandidateProfile, bandwidth: dict[str, float], overlap: bool) -> float:
+    out = candidate.offloaded_bytes / bandwidth["device_to_host"]
+    back = candidate.offloaded_bytes / bandwidth["host_to_device"]
+    if not overlap:
+        return out + back  # synchronous copies: all of it shows
+    # Copies overlap the layer's own compute: forward about a third of it, backward the rest.
+    return max(out - candidate.layer_seconds / 3, 0.0) + max(back - 2 * candidate.layer_seconds / 3, 0.0)
+
+
+def profile_model(
+    bundle: ModelBundle,
+    *,
+    spec: str,
+    device: torch.device,
+    repeats: int = 5,
+    warmup: int = 1,
+    min_bytes: int = DEFAULT_OFFLOAD_MIN_BYTES,
+    bandwidth: float | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> ModelProfile:
+    """Measure every layer type's candidates and the model's fixed costs (see the module doc).
+
+    ``bandwidth`` (bytes/s each way) replaces the measured copy bandwidth in offload's charge.
+    ``progress(label)`` is called as work completes.
+    """
+    started = time.perf_counter()
+    say = progress or (lambda label: None)
+    key = cache_key(bundle, spec, device, min_bytes)
+    model = copy.deepcopy(bundle.model).to(device)
+    batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in bundle.make_batch(0).items()}
+    layers = find_layers(model)
+    if not layers:
+        raise ValueError(
+            f"model {spec!r} declares no checkpointable layers; set `recompute_intervals` on its layer classes"
+        )
+
+    # Whole-model figures: fixed costs, step time and peaks of none and full.
+    figures = {}
+    for preset in ("none", "full"):
+        plain = copy.deepcopy(model)
+        actplan.apply(plain, preset)
+        optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-4, foreach=False)
+        _model_step(plain, batch, optimizer)
+        with MemoryMeter(plain, optimizer) as meter:
+            torch.manual_seed(0)
+            loss = _loss(plain(**batch))
+            meter.mark("forward_end")
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            del loss
+        figures[preset] = (meter.report(), plain, optimizer)
+        say(f"model step {preset}")
+    none_report, none_model, none_optimizer = figures["none"]
+    full_report = figures["full"][0]
+    timing = interleaved_timing(
+        {"none": lambda: _model_step(none_model, batch, none_optimizer)}, repeats=repeats, warmup=warmup
+    )
+    say("model timing")
+    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+
+    captured = _capture_layer_inputs(model, batch)
+    bw = (
+        {"device_to_host": bandwidth, "host_to_device": bandwidth}
+        if bandwidth is not None
+        else copy_bandwidth(device)
+    )
+    overlap = device.type == "cuda"
+    types: dict[str, LayerTypeProfile] = {}
+    for index, ((_, layer), (type_key, args, kwargs)) in enumerate(zip(layers, captured, strict=True)):
+        if type_key in types:
+            types[type_key].layer_indices.append(index)
+            continue
+        types[type_key] = LayerTypeProfile(type_key, type(layer).__name__, [index], [])
+        types[type_key].candidates = _profile_layer_type(
+            layer, args, kwargs, min_bytes, repeats, warmup, bw, overlap, lambda s, n=type(layer).__name__: say(f"{n}: {s}")
+        )
+    profile = ModelProfile(
+        model=bundle.description,
+        cache_key=key,
+        device=str(device),
+        torch_version=torch.__version__,
+        param_bytes=none_report.param_bytes,
+        grad_bytes=grad_bytes,
+        optimizer_bytes=none_report.optimizer_bytes,
+        nonlayer_activation_bytes=0,
+        base_seconds=timing["none"].median,
+        none_peak_bytes=none_report.peak_bytes,
+        full_peak_bytes=full_report.peak_bytes,
+        bandwidth_bytes_per_s=bw,
+        copies_overlap=overlap,
+        min_bytes=min_bytes,
+        layer_types=list(types.values()),
+        layer_type_of=[key for key, _, _ in captured],
+    )
+    # Activations outside the layers: what `full` leaves at the end of forward beyond its layers.
+    retained_full = sum(profile.type_of(i).candidate("full").retained_bytes for i in range(len(layers)))
+    profile.nonlayer_activation_bytes = max(full_report.marks["forward_end"].activation_bytes - retained_full, 0)
+    profile.seconds_spent = time.perf_counter() - started
+    return profile
+
+
+def _profile_layer_type(
+    layer: nn.Module,
+    args: tuple,
+    kwargs: dict,
+    min_bytes: int,
+    repeats: int,
+    warmup: int,
+    bandwidth: dict[str, float],
+    overlap: bool,
+    say: Callable[[str], None],
+) -> list[CandidateProfile]:
+    isolated = _IsolatedLayer(layer, args, kwargs, min_bytes)
+    declared = [u.value for u in interval_map_of(layer).units]
+    found: dict[tuple[str, tuple[str, ...]], CandidateProfile] = {}
+
+    def add(name: str, mode: str, kept: list[str]) -> CandidateProfile:
+        identity = (mode, tuple(kept))
+        if identity not in found:
+            candidate = CandidateProfile(name, mode, kept, offload=False)
+            isolated.measure_memory(candidate)
+            found[identity] = candidate
+        return found[identity]
+
+    none = add("none", "none", [])
+    full = add("full", "full", [])
+    for preset_name, preset in PRESETS.items():
+        if preset.mode != "selective":
+            continue
+        if preset.kept_units is not None:
+            kept = [u for u in declared if u in {k.value for k in preset.kept_units}]
+        else:
+            recomputed = {k.value for k in preset.recomputed_units or ()}
+            kept = [u for u in declared if u not in recomputed]
+        add(preset_name, "selective", kept)
+    isolated.measure_time(list(found.values()), repeats, warmup)
+    say("presets")
+
+    # Greedy chain from `full`: add the unit that saves the most time per byte kept.
+    best = full
+    kept: list[str] = []
+    while len(kept) < len(declared):
+        round_candidates = [none, best]
+        for unit in declared:
+            if unit in kept:
+                continue
+            units = [u for u in declared if u in kept or u == unit]
+            round_candidates.append(add(_kept_set_name(units), "selective", units))
+        isolated.measure_time(list({c.name: c for c in round_candidates}.values()), max(repeats // 2, 2), warmup)
+
+        def score(c: CandidateProfile) -> float:
+            saved = best.extra_seconds - c.extra_seconds
+            cost = max(c.retained_bytes - best.retained_bytes, 1)
+            return saved / cost
+
+        best = max(round_candidates[2:], key=score)
+        kept = list(best.kept_units)
+        say(f"greedy {len(kept)}/{len(declared)}")
+
+    # Offloaded variants of every checkpointed candidate.
+    for candidate in list(found.values()):
+        if candidate.mode == "none":
+            continue
+        variant = CandidateProfile(candidate.name + "+offload", candidate.mode, candidate.kept_units, offload=True)
+        isolated.measure_memory(variant)
+        if variant.offloaded_bytes == 0:
+            continue  # nothing above min_bytes to move: same as the candidate itself
+        variant.layer_seconds = candidate.layer_seconds
+        variant.extra_seconds = candidate.extra_seconds + _exposed_seconds(variant, bandwidth, overlap)
+        found[(candidate.mode + "+offload", tuple(candidate.kept_units))] = variant
+    say("offload")
+    return list(found.values())

@@ -1,0 +1,98 @@
+"""The budget planner: exact against brute force, monotone in the budget, clear errors."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from actplan.planner import (
+    BudgetError,
+    Candidate,
+    PlanProblem,
+    brute_force,
+    minimum_peak,
+    parse_budget,
+    solve,
+)
+
+MIB = 2**20
+
+candidates = st.builds(
+    Candidate,
+    name=st.sampled_from(["full", "none", "keep a", "keep a+b", "full+offload"]),
+    retained_bytes=st.integers(0, 200).map(lambda m: float(m * MIB)),
+    transient_bytes=st.integers(0, 100).map(lambda m: float(m * MIB)),
+    extra_seconds=st.integers(0, 1000).map(lambda ms: ms / 1000),
+)
+problems = st.builds(
+    PlanProblem,
+    layers=st.lists(st.lists(candidates, min_size=1, max_size=4).map(tuple), min_size=1, max_size=4).map(
+        tuple
+    ),
+    fixed_bytes=st.integers(0, 500).map(lambda m: float(m * MIB)),
+    base_seconds=st.just(1.0),
+)
+
+
+@settings(max_examples=80, deadline=None)
+@given(problem=problems, slack=st.floats(0.0, 1.5))
+def test_solver_matches_brute_force(problem, slack):
+    lowest, _ = minimum_peak(problem)
+    budget = lowest * (1 + slack)
+    expected = brute_force(problem, budget)
+    assert expected is not None  # the minimum itself always fits
+    solution = solve(problem, budget)
+    assert solution.predicted_seconds == pytest.approx(expected[0], abs=1e-9)
+    assert solution.predicted_peak_bytes <= budget * (1 + 1e-6) + 1
+
+
+@settings(max_examples=40, deadline=None)
+@given(problem=problems, steps=st.lists(st.floats(0.0, 2.0), min_size=2, max_size=6))
+def test_a_larger_budget_is_never_slower_and_never_exceeded(problem, steps):
+    lowest, _ = minimum_peak(problem)
+    previous = None
+    for budget in sorted(lowest * (1 + s) for s in steps):
+        solution = solve(problem, budget)
+        assert solution.predicted_peak_bytes <= budget * (1 + 1e-6) + 1
+        if previous is not None:
+            assert solution.predicted_seconds <= previous + 1e-9
+        previous = solution.predicted_seconds
+
+
+def test_infeasible_budget_names_the_minimum():
+    layer = (Candidate("full", 10 * MIB, 5 * MIB, 0.2), Candidate("none", 50 * MIB, 1 * MIB, 0.0))
+    problem = PlanProblem(layers=(layer, layer), fixed_bytes=100 * MIB, base_seconds=1.0)
+    lowest, choices = minimum_peak(problem)
+    assert lowest == 125 * MIB and choices == (0, 0)
+    with pytest.raises(BudgetError, match=r"smallest predicted peak is 125\.0 MiB \(131,072,000 bytes\)"):
+        solve(problem, 120 * MIB)
+    assert solve(problem, 125 * MIB).names == ("full", "full")
+    assert solve(problem, 170 * MIB).names in {("none", "full"), ("full", "none")}
+    assert solve(problem, 1000 * MIB).names == ("none", "none")
+
+
+def test_peak_counts_only_the_largest_transient():
+    problem = PlanProblem(
+        layers=((Candidate("a", 1, 7, 0), Candidate("b", 1, 3, 0)),) * 3, fixed_bytes=0, base_seconds=0
+    )
+    assert problem.peak((0, 1, 1)) == 3 + 7
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("40GiB", 40 * 2**30), ("1.5GB", 1.5e9), ("55%", 550.0), ("100 %", 1000.0), (4096, 4096.0)],
+)
+def test_budget_forms(text, expected):
+    assert parse_budget(text, none_peak_bytes=1000) == expected
+
+
+@pytest.mark.parametrize("text", ["40 GiBs", "-3GB", "abc", "0", "0%", "12%%"])
+def test_malformed_budgets_are_errors(text):
+    with pytest.raises(BudgetError, match="budget"):
+        parse_budget(text, none_peak_bytes=1000)
+
+
+def test_percentage_needs_the_no_checkpoint_peak():
+    with pytest.raises(BudgetError, match="give the budget in bytes"):
+        parse_budget("50%")

@@ -25,18 +25,25 @@ candidates = st.builds(
     transient_bytes=st.integers(0, 100).map(lambda m: float(m * MIB)),
     extra_seconds=st.integers(0, 1000).map(lambda ms: ms / 1000),
 )
-problems = st.builds(
-    PlanProblem,
-    layers=st.lists(st.lists(candidates, min_size=1, max_size=4).map(tuple), min_size=1, max_size=4).map(
-        tuple
-    ),
-    fixed_bytes=st.integers(0, 500).map(lambda m: float(m * MIB)),
-    base_seconds=st.just(1.0),
-)
+mib = st.integers(0, 300).map(lambda m: float(m * MIB))
+
+
+@st.composite
+def problems(draw):
+    layers = draw(st.lists(st.lists(candidates, min_size=1, max_size=4).map(tuple), min_size=1, max_size=4))
+    return PlanProblem(
+        layers=tuple(layers),
+        static_bytes=draw(mib),
+        base_seconds=1.0,
+        nonlayer_bytes=draw(mib),
+        layer_grad_bytes=tuple(draw(mib) for _ in layers),
+        other_grad_bytes=draw(mib),
+        optimizer_step_bytes=draw(mib),
+    )
 
 
 @settings(max_examples=80, deadline=None)
-@given(problem=problems, slack=st.floats(0.0, 1.5))
+@given(problem=problems(), slack=st.floats(0.0, 1.5))
 def test_solver_matches_brute_force(problem, slack):
     lowest, _ = minimum_peak(problem)
     budget = lowest * (1 + slack)
@@ -48,7 +55,7 @@ def test_solver_matches_brute_force(problem, slack):
 
 
 @settings(max_examples=40, deadline=None)
-@given(problem=problems, steps=st.lists(st.floats(0.0, 2.0), min_size=2, max_size=6))
+@given(problem=problems(), steps=st.lists(st.floats(0.0, 2.0), min_size=2, max_size=6))
 def test_a_larger_budget_is_never_slower_and_never_exceeded(problem, steps):
     lowest, _ = minimum_peak(problem)
     previous = None
@@ -62,7 +69,7 @@ def test_a_larger_budget_is_never_slower_and_never_exceeded(problem, steps):
 
 def test_infeasible_budget_names_the_minimum():
     layer = (Candidate("full", 10 * MIB, 5 * MIB, 0.2), Candidate("none", 50 * MIB, 1 * MIB, 0.0))
-    problem = PlanProblem(layers=(layer, layer), fixed_bytes=100 * MIB, base_seconds=1.0)
+    problem = PlanProblem(layers=(layer, layer), static_bytes=100 * MIB, base_seconds=1.0)
     lowest, choices = minimum_peak(problem)
     assert lowest == 125 * MIB and choices == (0, 0)
     with pytest.raises(BudgetError, match=r"smallest predicted peak is 125\.0 MiB \(131,072,000 bytes\)"):
@@ -72,11 +79,25 @@ def test_infeasible_budget_names_the_minimum():
     assert solve(problem, 1000 * MIB).names == ("none", "none")
 
 
-def test_peak_counts_only_the_largest_transient():
-    problem = PlanProblem(
-        layers=((Candidate("a", 1, 7, 0), Candidate("b", 1, 3, 0)),) * 3, fixed_bytes=0, base_seconds=0
+def test_peak_follows_the_phases_of_backward():
+    layer = (Candidate("a", 1, 7, 0), Candidate("b", 1, 3, 0))
+    problem = PlanProblem(layers=(layer,) * 3, static_bytes=0, base_seconds=0)
+    # Layer 0 runs its backward last, with only its own retained bytes left: 1 + 7.
+    assert problem.peak((0, 1, 1)) == 8
+    # Layer 2 runs first, with every layer's retained bytes alive: 3 + 7.
+    assert problem.peak((1, 1, 0)) == 10
+    with_grads = PlanProblem(
+        layers=(layer,) * 3,
+        static_bytes=100,
+        base_seconds=0,
+        nonlayer_bytes=20,
+        layer_grad_bytes=(5, 5, 5),
+        other_grad_bytes=2,
+        optimizer_step_bytes=1,
     )
-    assert problem.peak((0, 1, 1)) == 3 + 7
+    # Backward start 100 + 20 + 3; layer 0: 100 + 2 + 1 + 7 + 10 grads of layers 1-2; optimizer 118.
+    assert with_grads.peak((0, 1, 1)) == 123
+    assert with_grads.optimizer_phase_bytes == 118
 
 
 @pytest.mark.parametrize(

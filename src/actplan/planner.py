@@ -1,18 +1,24 @@
 """Choose one candidate per layer: least predicted step time with predicted peak memory under a budget.
 
-Pure (numpy and scipy): ``profile.py`` measures the candidates, this module solves. The
-model of a step is
+Pure (numpy and scipy): ``profile.py`` measures the candidates, this module solves. A
+candidate is one way to run a layer, with ``retained_bytes`` (what the layer leaves on the
+device at the end of forward), ``transient_bytes`` (what its backward, recompute included,
+needs on top while it runs) and ``extra_seconds`` (its cost over keeping everything:
+recompute, plus the copy time offload cannot hide).
 
-    peak    = fixed_bytes + sum_i retained_i + max_i transient_i
-    seconds = base_seconds + sum_i extra_seconds_i
+Memory follows the phases of a step, layers in backward order (last layer first):
 
-where, for the candidate chosen at layer ``i``, ``retained`` is what the layer leaves on
-the device at the end of forward, ``transient`` what its backward (with the recompute)
-needs on top while it runs, and ``extra_seconds`` its measured cost over keeping
-everything (recompute time, plus the copy time offload cannot hide). ``fixed_bytes``
-holds parameters, gradients, optimizer state and the activations outside the layers.
-The choice is a multiple-choice knapsack with a max term, solved exactly as a MILP with
-HiGHS (``scipy.optimize.milp``).
+* backward start: ``static + nonlayer + sum_i retained_i``;
+* layer ``i``'s backward: ``static + other_grads + sum_{j<=i} retained_j + transient_i
+  + sum_{j>i} layer_grads_j`` (later layers are freed, their gradients exist);
+* optimizer step: ``static + all gradients + optimizer_step_bytes``;
+
+with ``static`` = parameters and optimizer state (the backward phases also carry
+``backward_extra_bytes``, a calibration from measured runs). The predicted peak is the largest of
+them; ``fixed + sum retained + max transient`` (every gradient and every activation at
+once) is its upper bound. Step time is ``base_seconds + sum_i extra_seconds_i``. The choice
+is solved exactly as a MILP with HiGHS (``scipy.optimize.milp``), prefix sums of retained
+bytes as continuous variables so the model stays linear in size.
 """
 
 from __future__ import annotations
@@ -56,11 +62,18 @@ class Candidate:
 
 @dataclass(frozen=True)
 class PlanProblem:
-    """Per layer (model order), the candidates it may take; and the costs outside the layers."""
+    """Per layer (forward order), the candidates it may take; and the memory outside the layers."""
 
     layers: tuple[tuple[Candidate, ...], ...]
-    fixed_bytes: float
+    static_bytes: float  # parameters and optimizer state
     base_seconds: float
+    nonlayer_bytes: float = 0.0  # activations outside the layers, alive when backward starts
+    layer_grad_bytes: tuple[float, ...] = ()  # per layer; empty means none
+    other_grad_bytes: float = 0.0  # gradients of parameters outside the layers
+    optimizer_step_bytes: float = 0.0  # the optimizer step's temporaries
+    # Calibration: what measured backward peaks hold beyond the model above (the loss head's
+    # backward, allocator timing); added to every backward phase.
+    backward_extra_bytes: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.layers:
@@ -68,12 +81,32 @@ class PlanProblem:
         for index, candidates in enumerate(self.layers):
             if not candidates:
                 raise ValueError(f"layer {index} has no candidates")
+        if self.layer_grad_bytes and len(self.layer_grad_bytes) != len(self.layers):
+            raise ValueError("layer_grad_bytes needs one entry per layer")
+
+    def _grads(self) -> tuple[float, ...]:
+        return self.layer_grad_bytes or (0.0,) * len(self.layers)
+
+    def grads_after(self) -> list[float]:
+        """Per layer ``i``, gradient bytes of layers after it (already produced in backward)."""
+        grads = self._grads()
+        return [sum(grads[i + 1 :]) for i in range(len(grads))]
+
+    @property
+    def optimizer_phase_bytes(self) -> float:
+        return self.static_bytes + self.other_grad_bytes + sum(self._grads()) + self.optimizer_step_bytes
 
     def peak(self, choices: Sequence[int]) -> float:
         picked = [self.layers[i][c] for i, c in enumerate(choices)]
-        return (
-            self.fixed_bytes + sum(p.retained_bytes for p in picked) + max(p.transient_bytes for p in picked)
-        )
+        after = self.grads_after()
+        base = self.static_bytes + self.backward_extra_bytes
+        phases = [base + self.nonlayer_bytes + sum(p.retained_bytes for p in picked)]
+        retained = 0.0
+        for i, p in enumerate(picked):
+            retained += p.retained_bytes
+            phases.append(base + self.other_grad_bytes + retained + p.transient_bytes + after[i])
+        phases.append(self.optimizer_phase_bytes)
+        return max(phases)
 
     def seconds(self, choices: Sequence[int]) -> float:
         return self.base_seconds + sum(self.layers[i][c].extra_seconds for i, c in enumerate(choices))
@@ -91,39 +124,68 @@ class Solution:
 _MIB = float(2**20)
 
 
-def _milp(problem: PlanProblem, budget: float | None, minimise_peak: bool) -> tuple[int, ...] | None:
-    """Solve; ``None`` when no choice fits ``budget``. Bytes are scaled to MiB for HiGHS."""
+def _milp(problem: PlanProblem, budget: float | None) -> tuple[int, ...] | None:
+    """Least time under ``budget``, or (``budget=None``) least peak. ``None``: nothing fits.
+
+    Variables: one binary per (layer, candidate); S_i, the retained bytes of layers 0..i;
+    and, when minimising the peak, P. Bytes are in MiB for HiGHS.
+    """
     sizes = [len(c) for c in problem.layers]
-    n = sum(sizes)
+    n, layers = sum(sizes), len(sizes)
     retained = np.array([c.retained_bytes / _MIB for cs in problem.layers for c in cs])
     transient = np.array([c.transient_bytes / _MIB for cs in problem.layers for c in cs])
     seconds = np.array([c.extra_seconds for cs in problem.layers for c in cs])
-    # Variables: one binary per (layer, candidate), then T >= every chosen transient.
-    if minimise_peak:
-        cost = np.concatenate([retained, [1.0]])
-    else:
-        # Ties in time go to the plan with less memory (a weight far below any time difference).
-        span = max(float(retained.sum() + transient.max()), 1.0)
-        scale = max(float(np.abs(seconds).max()), 1e-9) * 1e-7 / span
-        cost = np.concatenate([seconds + scale * retained, [scale]])
-    rows = []
+    minimise_peak = budget is None
+    width = n + layers + (1 if minimise_peak else 0)
+    s0, p_col = n, n + layers
+    static = (problem.static_bytes + problem.backward_extra_bytes) / _MIB
+    after = [a / _MIB for a in problem.grads_after()]
+    other = problem.other_grad_bytes / _MIB
+    cap = (budget or 0.0) / _MIB
+
+    one_hot = np.zeros((layers, width))
+    prefix = np.zeros((layers, width))
+    phase = np.zeros((layers + 1, width))
+    phase_upper = np.zeros(layers + 1)
     start = 0
-    one_hot = np.zeros((len(sizes), n + 1))
-    transient_rows = np.zeros((len(sizes), n + 1))
-    for layer, size in enumerate(sizes):
-        one_hot[layer, start : start + size] = 1.0
-        transient_rows[layer, start : start + size] = transient[start : start + size]
-        transient_rows[layer, n] = -1.0
+    for i, size in enumerate(sizes):
+        block = slice(start, start + size)
+        one_hot[i, block] = 1.0
+        # S_i - S_{i-1} - retained_i = 0
+        prefix[i, s0 + i] = 1.0
+        if i:
+            prefix[i, s0 + i - 1] = -1.0
+        prefix[i, block] = -retained[block]
+        # Layer i's backward: S_i + transient_i <= cap - static - other - grads after i
+        phase[i, s0 + i] = 1.0
+        phase[i, block] = transient[block]
+        phase_upper[i] = cap - static - other - after[i]
         start += size
-    rows.append(LinearConstraint(one_hot, 1.0, 1.0))
-    rows.append(LinearConstraint(transient_rows, -np.inf, 0.0))
-    if budget is not None:
-        capacity = (budget - problem.fixed_bytes) / _MIB
-        memory = np.concatenate([retained, [1.0]])
-        rows.append(LinearConstraint(memory[None, :], -np.inf, capacity))
-    integrality = np.concatenate([np.ones(n), [0]])
-    bounds = Bounds(np.zeros(n + 1), np.concatenate([np.ones(n), [np.inf]]))
-    result = milp(cost, constraints=rows, integrality=integrality, bounds=bounds, options={"mip_rel_gap": 0})
+    # Backward start: S_last <= cap - static - nonlayer
+    phase[layers, s0 + layers - 1] = 1.0
+    phase_upper[layers] = cap - static - problem.nonlayer_bytes / _MIB
+    if minimise_peak:
+        phase[:, p_col] = -1.0  # every phase <= P, P minimised
+    constraints = [
+        LinearConstraint(one_hot, 1.0, 1.0),
+        LinearConstraint(prefix, 0.0, 0.0),
+        LinearConstraint(phase, -np.inf, phase_upper),
+    ]
+    cost = np.zeros(width)
+    if minimise_peak:
+        cost[p_col] = 1.0
+    else:
+        # Ties in time go to the plan that retains less (a weight far below any time difference).
+        span = max(float(retained.sum()), 1.0)
+        cost[:n] = seconds + max(float(np.abs(seconds).max()), 1e-9) * 1e-7 / span * retained
+    integrality = np.concatenate([np.ones(n), np.zeros(width - n)])
+    bounds = Bounds(
+        np.concatenate([np.zeros(n), np.full(width - n, -np.inf)]),
+        np.concatenate([np.ones(n), np.full(width - n, np.inf)]),
+    )
+    result = milp(
+        cost, constraints=constraints, integrality=integrality, bounds=bounds, options={"mip_rel_gap": 0}
+    )
     if result.status == 2:  # infeasible
         return None
     if not result.success:
@@ -138,7 +200,7 @@ def _milp(problem: PlanProblem, budget: float | None, minimise_peak: bool) -> tu
 
 def minimum_peak(problem: PlanProblem) -> tuple[float, tuple[int, ...]]:
     """The smallest predicted peak any choice reaches, and that choice."""
-    choices = _milp(problem, None, minimise_peak=True)
+    choices = _milp(problem, None)
     assert choices is not None
     return problem.peak(choices), choices
 
@@ -149,14 +211,15 @@ def solve(problem: PlanProblem, budget_bytes: float) -> Solution:
     Raises ``BudgetError`` stating the feasible minimum when no choice fits.
     """
     # A hair of slack so a budget equal to a candidate's exact peak admits it despite rounding.
-    choices = _milp(problem, budget_bytes * (1 + 1e-9) + 1, minimise_peak=False)
+    fits = problem.optimizer_phase_bytes <= budget_bytes
+    choices = _milp(problem, budget_bytes * (1 + 1e-9) + 1) if fits else None
     if choices is None or problem.peak(choices) > budget_bytes * (1 + 1e-6) + 1:
         minimum, _ = minimum_peak(problem)
         raise BudgetError(
             f"no plan fits a budget of {_gib(budget_bytes)}: the smallest predicted peak is "
-            f"{_gib(minimum)} ({minimum:,.0f} bytes), with parameters, gradients, optimizer state "
-            f"and non-layer activations taking {_gib(problem.fixed_bytes)}; raise the budget to at "
-            "least that, or add cheaper choices (offload)"
+            f"{_gib(minimum)} ({minimum:,.0f} bytes), with parameters and optimizer state taking "
+            f"{_gib(problem.static_bytes)} and the optimizer step {_gib(problem.optimizer_phase_bytes)}; "
+            "raise the budget to at least the minimum, or add cheaper choices (offload)"
         )
     return Solution(
         choices=choices,

@@ -22,12 +22,13 @@ model, shapes, dtype, device and torch version.
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import json
 import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,7 @@ from actplan.apply import find_layers, interval_map_of, offload_engine
 from actplan.config import PRESETS, RecomputeConfig
 from actplan.measure import MemoryMeter, interleaved_timing
 from actplan.models import ModelBundle
+from actplan.plan import format_indices
 from actplan.planner import Candidate, PlanProblem
 from actplan.sizes import DEFAULT_OFFLOAD_MIN_BYTES
 
@@ -61,9 +63,7 @@ class CandidateProfile:
     offloaded_bytes: int = 0
 
     def config_choice(self) -> dict[str, Any]:
-        if self.mode == "selective":
-            return {"mode": "selective", "keep": list(self.kept_units)}
-        return {"mode": self.mode}
+        return _choice(self.mode, tuple(self.kept_units))
 
 
 @dataclass
@@ -84,8 +84,10 @@ class ModelProfile:
     device: str
     torch_version: str
     param_bytes: int
-    grad_bytes: int
     optimizer_bytes: int
+    layer_grad_bytes: list[int]
+    other_grad_bytes: int
+    optimizer_step_bytes: int
     nonlayer_activation_bytes: int
     base_seconds: float
     none_peak_bytes: int
@@ -95,12 +97,10 @@ class ModelProfile:
     min_bytes: int
     layer_types: list[LayerTypeProfile]
     layer_type_of: list[str]  # per layer index, its type key
+    # Measured backward peaks of `none` and `full` beyond what the phase model predicts for
+    # them (the loss head's backward, mostly); the planner adds it to every backward phase.
+    backward_extra_bytes: int = 0
     seconds_spent: float = 0.0
-    notes: list[str] = field(default_factory=list)
-
-    @property
-    def fixed_bytes(self) -> int:
-        return self.param_bytes + self.grad_bytes + self.optimizer_bytes + self.nonlayer_activation_bytes
 
     def type_of(self, index: int) -> LayerTypeProfile:
         key = self.layer_type_of[index]
@@ -116,7 +116,16 @@ class ModelProfile:
                     for c in self.type_of(index).candidates
                 )
             )
-        return PlanProblem(layers=tuple(layers), fixed_bytes=self.fixed_bytes, base_seconds=self.base_seconds)
+        return PlanProblem(
+            layers=tuple(layers),
+            static_bytes=self.param_bytes + self.optimizer_bytes,
+            base_seconds=self.base_seconds,
+            nonlayer_bytes=self.nonlayer_activation_bytes,
+            layer_grad_bytes=tuple(self.layer_grad_bytes),
+            other_grad_bytes=self.other_grad_bytes,
+            optimizer_step_bytes=self.optimizer_step_bytes,
+            backward_extra_bytes=self.backward_extra_bytes,
+        )
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2) + "\n"
@@ -201,7 +210,9 @@ def _loss(output: Any) -> torch.Tensor:
     return output["loss"] if isinstance(output, dict) else output
 
 
-def _model_step(model: nn.Module, batch: dict, optimizer: torch.optim.Optimizer | None, seed: int = 0) -> None:
+def _model_step(
+    model: nn.Module, batch: dict, optimizer: torch.optim.Optimizer | None, seed: int = 0
+) -> None:
     torch.manual_seed(seed)
     _loss(model(**batch)).backward()
     if optimizer is not None:
@@ -226,7 +237,9 @@ def _capture_layer_inputs(model: nn.Module, batch: dict) -> list[tuple[str, tupl
 
         def hook(module, args, kwargs, index=index):
             if captured[index] is None:
-                detached = tree_map(lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, (args, kwargs))
+                detached = tree_map(
+                    lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, (args, kwargs)
+                )
                 captured[index] = (_type_key(module, args, kwargs), *detached)
 
         handles.append(layer.register_forward_pre_hook(hook, with_kwargs=True))
@@ -239,7 +252,9 @@ def _capture_layer_inputs(model: nn.Module, batch: dict) -> list[tuple[str, tupl
             handle.remove()
     missing = [i for i, c in enumerate(captured) if c is None]
     if missing:
-        raise RuntimeError(f"layers {missing} did not run in a forward pass; a profile needs every layer to run")
+        raise RuntimeError(
+            f"layers {missing} did not run in a forward pass; a profile needs every layer to run"
+        )
     return captured  # type: ignore[return-value]
 
 
@@ -297,8 +312,11 @@ class _IsolatedLayer:
         figures = {}
         if meter is not None:
             live = meter.mark("forward_end").live_bytes
-            out_storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tree_leaves(out)
-                            if isinstance(t, torch.Tensor)}
+            out_storages = {
+                t.untyped_storage()._cdata: t.untyped_storage().nbytes()
+                for t in tree_leaves(out)
+                if isinstance(t, torch.Tensor)
+            }
             figures["retained"] = live - sum(out_storages.values())
             figures["live_forward_end"] = live
         torch.autograd.backward(outputs, self.grads)
@@ -331,6 +349,10 @@ class _IsolatedLayer:
             paired = sorted(a - b for a, b in zip(own.samples, reference.samples, strict=True))
             # More recompute is never cheaper: a negative difference is timer noise.
             c.extra_seconds = max(paired[len(paired) // 2], 0.0) if c.name != "none" else 0.0
+
+
+def _say_for(say: Callable[[str], None], class_name: str, label: str) -> None:
+    say(f"{class_name}: {label}")
 
 
 def _kept_set_name(units: list[str]) -> str:
@@ -370,7 +392,8 @@ def profile_model(
     layers = find_layers(model)
     if not layers:
         raise ValueError(
-            f"model {spec!r} declares no checkpointable layers; set `recompute_intervals` on its layer classes"
+            f"model {spec!r} declares no checkpointable layers; set `recompute_intervals` on its "
+            "layer classes"
         )
 
     # Whole-model figures: fixed costs, step time and peaks of none and full.
@@ -385,18 +408,31 @@ def profile_model(
             loss = _loss(plain(**batch))
             meter.mark("forward_end")
             loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
             del loss
-        figures[preset] = (meter.report(), plain, optimizer)
+        # The optimizer step's own temporaries, with every gradient in place.
+        with MemoryMeter(plain, optimizer) as step_meter:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        step_report = step_meter.report()
+        figures[preset] = (
+            meter.report(),
+            plain,
+            optimizer,
+            step_report.peak_live_bytes,
+            step_report.peak_bytes,
+        )
         say(f"model step {preset}")
-    none_report, none_model, none_optimizer = figures["none"]
-    full_report = figures["full"][0]
+    none_report, none_model, none_optimizer, optimizer_step_bytes, none_step_peak = figures["none"]
+    full_report, full_step_peak = figures["full"][0], figures["full"][4]
     timing = interleaved_timing(
         {"none": lambda: _model_step(none_model, batch, none_optimizer)}, repeats=repeats, warmup=warmup
     )
     say("model timing")
-    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    layer_grads = [
+        sum(p.numel() * p.element_size() for p in layer.parameters() if p.requires_grad)
+        for _, layer in layers
+    ]
+    all_grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
 
     captured = _capture_layer_inputs(model, batch)
     bw = (
@@ -412,7 +448,15 @@ def profile_model(
             continue
         types[type_key] = LayerTypeProfile(type_key, type(layer).__name__, [index], [])
         types[type_key].candidates = _profile_layer_type(
-            layer, args, kwargs, min_bytes, repeats, warmup, bw, overlap, lambda s, n=type(layer).__name__: say(f"{n}: {s}")
+            layer,
+            args,
+            kwargs,
+            min_bytes,
+            repeats,
+            warmup,
+            bw,
+            overlap,
+            functools.partial(_say_for, say, type(layer).__name__),
         )
     profile = ModelProfile(
         model=bundle.description,
@@ -420,12 +464,14 @@ def profile_model(
         device=str(device),
         torch_version=torch.__version__,
         param_bytes=none_report.param_bytes,
-        grad_bytes=grad_bytes,
         optimizer_bytes=none_report.optimizer_bytes,
+        layer_grad_bytes=layer_grads,
+        other_grad_bytes=all_grads - sum(layer_grads),
+        optimizer_step_bytes=optimizer_step_bytes,
         nonlayer_activation_bytes=0,
         base_seconds=timing["none"].median,
-        none_peak_bytes=none_report.peak_bytes,
-        full_peak_bytes=full_report.peak_bytes,
+        none_peak_bytes=max(none_report.peak_bytes, none_step_peak),
+        full_peak_bytes=max(full_report.peak_bytes, full_step_peak),
         bandwidth_bytes_per_s=bw,
         copies_overlap=overlap,
         min_bytes=min_bytes,
@@ -434,7 +480,16 @@ def profile_model(
     )
     # Activations outside the layers: what `full` leaves at the end of forward beyond its layers.
     retained_full = sum(profile.type_of(i).candidate("full").retained_bytes for i in range(len(layers)))
-    profile.nonlayer_activation_bytes = max(full_report.marks["forward_end"].activation_bytes - retained_full, 0)
+    profile.nonlayer_activation_bytes = max(
+        full_report.marks["forward_end"].activation_bytes - retained_full, 0
+    )
+    # Calibrate the backward phases on the two measured runs (their forward+backward peaks).
+    problem = profile.problem()
+    residuals = []
+    for preset, report in (("none", none_report), ("full", full_report)):
+        choices = [[c.name for c in profile.type_of(i).candidates].index(preset) for i in range(len(layers))]
+        residuals.append(report.peak_bytes - replace(problem, optimizer_step_bytes=0.0).peak(choices))
+    profile.backward_extra_bytes = max(int(max(residuals)), 0)
     profile.seconds_spent = time.perf_counter() - started
     return profile
 
@@ -452,18 +507,23 @@ def _profile_layer_type(
 ) -> list[CandidateProfile]:
     isolated = _IsolatedLayer(layer, args, kwargs, min_bytes)
     declared = [u.value for u in interval_map_of(layer).units]
-    found: dict[tuple[str, tuple[str, ...]], CandidateProfile] = {}
+    measured: dict[tuple[str, tuple[str, ...]], CandidateProfile] = {}
+    chosen: dict[tuple[str, tuple[str, ...]], CandidateProfile] = {}
 
-    def add(name: str, mode: str, kept: list[str]) -> CandidateProfile:
+    def measure(name: str, mode: str, kept: list[str]) -> CandidateProfile:
         identity = (mode, tuple(kept))
-        if identity not in found:
+        if identity not in measured:
             candidate = CandidateProfile(name, mode, kept, offload=False)
             isolated.measure_memory(candidate)
-            found[identity] = candidate
-        return found[identity]
+            measured[identity] = candidate
+        return measured[identity]
 
-    none = add("none", "none", [])
-    full = add("full", "full", [])
+    def choose(candidate: CandidateProfile) -> CandidateProfile:
+        chosen.setdefault((candidate.mode, tuple(candidate.kept_units)), candidate)
+        return candidate
+
+    none = choose(measure("none", "none", []))
+    full = choose(measure("full", "full", []))
     for preset_name, preset in PRESETS.items():
         if preset.mode != "selective":
             continue
@@ -472,36 +532,39 @@ def _profile_layer_type(
         else:
             recomputed = {k.value for k in preset.recomputed_units or ()}
             kept = [u for u in declared if u not in recomputed]
-        add(preset_name, "selective", kept)
-    isolated.measure_time(list(found.values()), repeats, warmup)
+        choose(measure(preset_name, "selective", kept))
+    isolated.measure_time(list(chosen.values()), repeats, warmup)
     say("presets")
 
-    # Greedy chain from `full`: add the unit that saves the most time per byte kept.
+    # Greedy chain from `full`: each step adds the unit that saves the most time per byte
+    # kept; the chain's sets become candidates (the sets tried on the way are not).
     best = full
-    kept: list[str] = []
-    while len(kept) < len(declared):
-        round_candidates = [none, best]
-        for unit in declared:
-            if unit in kept:
-                continue
-            units = [u for u in declared if u in kept or u == unit]
-            round_candidates.append(add(_kept_set_name(units), "selective", units))
-        isolated.measure_time(list({c.name: c for c in round_candidates}.values()), max(repeats // 2, 2), warmup)
+    while len(best.kept_units) < len(declared):
+        tried = [
+            measure(_kept_set_name(units), "selective", units)
+            for unit in declared
+            if unit not in best.kept_units
+            for units in [[u for u in declared if u in best.kept_units or u == unit]]
+        ]
+        isolated.measure_time([none, best, *tried], max(repeats // 2, 2), warmup)
 
-        def score(c: CandidateProfile) -> float:
-            saved = best.extra_seconds - c.extra_seconds
-            cost = max(c.retained_bytes - best.retained_bytes, 1)
-            return saved / cost
+        def score(candidate: CandidateProfile, best: CandidateProfile = best) -> float:
+            saved = best.extra_seconds - candidate.extra_seconds
+            return saved / max(candidate.retained_bytes - best.retained_bytes, 1)
 
-        best = max(round_candidates[2:], key=score)
-        kept = list(best.kept_units)
-        say(f"greedy {len(kept)}/{len(declared)}")
+        best = choose(max(tried, key=score))
+        say(f"greedy {len(best.kept_units)}/{len(declared)}")
+    # Time the final set together, so their differences come from the same rounds.
+    isolated.measure_time(list(chosen.values()), repeats, warmup)
+    found = dict(chosen)
 
     # Offloaded variants of every checkpointed candidate.
     for candidate in list(found.values()):
         if candidate.mode == "none":
             continue
-        variant = CandidateProfile(candidate.name + "+offload", candidate.mode, candidate.kept_units, offload=True)
+        variant = CandidateProfile(
+            candidate.name + "+offload", candidate.mode, candidate.kept_units, offload=True
+        )
         isolated.measure_memory(variant)
         if variant.offloaded_bytes == 0:
             continue  # nothing above min_bytes to move: same as the candidate itself
@@ -510,3 +573,44 @@ def _profile_layer_type(
         found[(candidate.mode + "+offload", tuple(candidate.kept_units))] = variant
     say("offload")
     return list(found.values())
+
+
+# ---------------------------------------------------------------------------------------------
+# From a solution back to a config
+
+
+def picked(profile: ModelProfile, choices: list[int] | tuple[int, ...]) -> list[CandidateProfile]:
+    return [profile.type_of(index).candidates[choice] for index, choice in enumerate(choices)]
+
+
+def config_for(profile: ModelProfile, choices: list[int] | tuple[int, ...]) -> RecomputeConfig:
+    """The ``RecomputeConfig`` that installs one candidate per layer: the most common choice at
+    the top level, the others as overrides, offloaded layers in one offload block."""
+    chosen = picked(profile, choices)
+    groups: dict[tuple[str, tuple[str, ...]], list[int]] = {}
+    for index, candidate in enumerate(chosen):
+        groups.setdefault((candidate.mode, tuple(candidate.kept_units)), []).append(index)
+    ordered = sorted(groups.items(), key=lambda item: (-len(item[1]), item[1][0]))
+    (top_mode, top_kept), _ = ordered[0]
+    data: dict[str, Any] = _choice(top_mode, top_kept)
+    if len(ordered) > 1:
+        data["overrides"] = [
+            {"layers": format_indices(indices), **_choice(mode, kept)}
+            for (mode, kept), indices in ordered[1:]
+        ]
+    offloaded = [index for index, candidate in enumerate(chosen) if candidate.offload]
+    if offloaded:
+        data["offload"] = {
+            "layers": format_indices(offloaded),
+            "layer_input": True,
+            "min_bytes": profile.min_bytes,
+        }
+        if any(chosen[i].kept_units for i in offloaded):
+            data["offload"]["units"] = "kept"
+    return RecomputeConfig.from_dict(data, source="planner")
+
+
+def _choice(mode: str, kept: tuple[str, ...]) -> dict[str, Any]:
+    if mode == "selective":
+        return {"mode": "selective", "keep": list(kept)}
+    return {"mode": mode}

@@ -96,7 +96,9 @@ def load_model(spec: str, size: str = "small") -> ModelBundle:
     made = factory()
     if isinstance(made, ModelBundle):
         return made
-    if not (isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], nn.Module) and callable(made[1])):
+    if not (
+        isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], nn.Module) and callable(made[1])
+    ):
         raise ValueError(
             f"model factory {spec!r} returned {type(made).__name__}; return a ModelBundle or a pair "
             "(model, make_batch) where make_batch(seed) gives the model's keyword arguments"

@@ -1,0 +1,365 @@
+"""Plan under a memory budget, end to end: profile (cached), solve, write the config, run it.
+
+``plan_under_budget`` is what ``actplan plan`` runs: it reuses or makes the model's
+profile, solves for the fastest plan whose predicted peak fits the budget, writes it as a
+config file, runs it next to ``none`` and reports predicted against measured peak memory
+and step time. ``pareto_points`` and ``write_pareto_plot`` draw memory against step time
+for the presets and the planner's plans over a sweep of budgets.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import actplan
+from actplan.apply import plan_for
+from actplan.config import PRESETS, RecomputeConfig
+from actplan.measure import MemoryMeter, interleaved_timing, ratio
+from actplan.models import ModelBundle
+from actplan.planner import BudgetError, Solution, minimum_peak, parse_budget, solve
+from actplan.profile import (
+    ModelProfile,
+    cache_key,
+    config_for,
+    default_cache_dir,
+    load_cached,
+    picked,
+    profile_model,
+    store,
+)
+from actplan.sizes import DEFAULT_OFFLOAD_MIN_BYTES
+
+
+def get_profile(
+    bundle: ModelBundle,
+    spec: str,
+    device: torch.device,
+    *,
+    cache_dir: Path | None = None,
+    refresh: bool = False,
+    repeats: int = 5,
+    min_bytes: int = DEFAULT_OFFLOAD_MIN_BYTES,
+    bandwidth: float | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> tuple[ModelProfile, bool]:
+    """The cached profile when its key matches (model, shapes, dtype, device, torch version),
+    else a fresh one, stored. Returns ``(profile, came_from_cache)``."""
+    directory = cache_dir or default_cache_dir()
+    key = cache_key(bundle, spec, device, min_bytes)
+    if not refresh:
+        cached = load_cached(directory, key)
+        if cached is not None and (
+            bandwidth is None or cached.bandwidth_bytes_per_s["device_to_host"] == bandwidth
+        ):
+            return cached, True
+    profile = profile_model(
+        bundle,
+        spec=spec,
+        device=device,
+        repeats=repeats,
+        min_bytes=min_bytes,
+        bandwidth=bandwidth,
+        progress=progress,
+    )
+    store(directory, profile)
+    return profile, False
+
+
+@dataclass
+class MeasuredRun:
+    peak_bytes: int
+    step_seconds: float
+    ratio_to_none: float
+    ratio_spread: float
+    loss_identical: bool
+
+
+def measure_config(
+    bundle: ModelBundle, config: RecomputeConfig, device: torch.device, *, repeats: int = 5, warmup: int = 1
+) -> MeasuredRun:
+    """Peak bytes of one AdamW step under ``config`` (memory meter) and its step time against
+    ``none``, interleaved."""
+    batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in bundle.make_batch(0).items()}
+    runs = {}
+    losses = {}
+    peak = 0
+    for name, chosen in (("none", RecomputeConfig.from_preset("none")), ("plan", config)):
+        model = copy.deepcopy(bundle.model).to(device)
+        actplan.apply(model, chosen)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
+
+        def step(model=model, optimizer=optimizer) -> float:
+            torch.manual_seed(0)
+            # Only the loss is kept (as the profile's steps do): other outputs would stay alive.
+            out = model(**batch)
+            loss = out["loss"] if isinstance(out, dict) else out
+            del out
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            return loss.item()
+
+        # Same initial weights: the first step's losses must agree bit for bit.
+        losses[name] = step()
+        if name == "plan":
+            with MemoryMeter(model, optimizer) as meter:
+                step()
+            peak = meter.report().peak_bytes
+        runs[name] = step
+    timings = interleaved_timing(runs, repeats=repeats, warmup=warmup)
+    rel = ratio(timings["plan"], timings["none"])
+    return MeasuredRun(
+        peak_bytes=peak,
+        step_seconds=timings["plan"].median,
+        ratio_to_none=rel.median,
+        ratio_spread=rel.spread,
+        loss_identical=losses["plan"] == losses["none"],
+    )
+
+
+@dataclass
+class ParetoPoint:
+    label: str
+    kind: str  # "preset", "plan", "requested"
+    peak_bytes: float
+    time_ratio: float
+
+
+def preset_choices(profile: ModelProfile, preset: str) -> list[int] | None:
+    """Each layer's candidate index for ``preset``; None if some layer type lacks it."""
+    choices = []
+    for index in range(len(profile.layer_type_of)):
+        names = [c.name for c in profile.type_of(index).candidates]
+        if preset not in names:
+            return None
+        choices.append(names.index(preset))
+    return choices
+
+
+def pareto_points(profile: ModelProfile, budgets: int = 12) -> list[ParetoPoint]:
+    """Predicted (peak, step-time ratio) of every preset and of the planner over a budget sweep
+    from the feasible minimum to the no-checkpoint peak."""
+    problem = profile.problem()
+    points = []
+    for preset in PRESETS:
+        choices = preset_choices(profile, preset)
+        if choices is not None:
+            points.append(
+                ParetoPoint(
+                    preset, "preset", problem.peak(choices), problem.seconds(choices) / profile.base_seconds
+                )
+            )
+    lowest, _ = minimum_peak(problem)
+    none = preset_choices(profile, "none")
+    top = problem.peak(none) if none is not None else lowest * 2
+    for step in range(budgets):
+        budget = lowest + (top - lowest) * step / max(budgets - 1, 1)
+        solution = solve(problem, budget)
+        points.append(
+            ParetoPoint(
+                f"budget {budget / 2**20:.1f} MiB",
+                "plan",
+                solution.predicted_peak_bytes,
+                solution.predicted_seconds / profile.base_seconds,
+            )
+        )
+    return points
+
+
+def write_pareto_plot(
+    points: list[ParetoPoint], path: str | Path, title: str, requested: dict[str, float] | None = None
+) -> None:
+    """Memory (x) against step-time ratio (y): presets labelled, planner plans as a line,
+    the requested plan's prediction and measurement highlighted."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    plans = sorted((p for p in points if p.kind == "plan"), key=lambda p: p.peak_bytes)
+    ax.plot(
+        [p.peak_bytes / 2**20 for p in plans],
+        [p.time_ratio for p in plans],
+        "o-",
+        color="tab:blue",
+        label="planner (budget sweep)",
+    )
+    for p in points:
+        if p.kind == "preset":
+            ax.plot(p.peak_bytes / 2**20, p.time_ratio, "s", color="tab:gray")
+            ax.annotate(
+                p.label, (p.peak_bytes / 2**20, p.time_ratio), textcoords="offset points", xytext=(5, 4)
+            )
+    if requested is not None:
+        ax.plot(
+            requested["predicted_peak_bytes"] / 2**20,
+            requested["predicted_ratio"],
+            "*",
+            color="tab:red",
+            markersize=15,
+            label="requested plan (predicted)",
+        )
+        if "measured_peak_bytes" in requested:
+            ax.plot(
+                requested["measured_peak_bytes"] / 2**20,
+                requested["measured_ratio"],
+                "X",
+                color="tab:green",
+                markersize=11,
+                label="requested plan (measured)",
+            )
+        ax.axvline(requested["budget_bytes"] / 2**20, color="tab:red", linestyle=":", label="budget")
+    ax.set_xlabel("peak memory of a training step (MiB)")
+    ax.set_ylabel("step time / no checkpointing")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+@dataclass
+class BudgetPlanResult:
+    model: str
+    budget_bytes: float
+    from_cache: bool
+    solution: dict[str, Any]
+    config_path: str | None
+    config: dict[str, Any]
+    layers: list[dict[str, Any]]
+    measured: dict[str, Any] | None
+    prediction_error: dict[str, float] | None
+    pareto: list[dict[str, Any]] = field(default_factory=list)
+    plot_path: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def plan_under_budget(
+    bundle: ModelBundle,
+    spec: str,
+    budget: str,
+    device: torch.device,
+    *,
+    out: str | Path | None = "plan.yaml",
+    plot: str | Path | None = None,
+    run: bool = True,
+    cache_dir: Path | None = None,
+    refresh: bool = False,
+    repeats: int = 5,
+    min_bytes: int = DEFAULT_OFFLOAD_MIN_BYTES,
+    bandwidth: float | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> BudgetPlanResult:
+    """Profile (or reuse the cache), solve for ``budget``, write the plan, run and check it."""
+    profile, from_cache = get_profile(
+        bundle,
+        spec,
+        device,
+        cache_dir=cache_dir,
+        refresh=refresh,
+        repeats=repeats,
+        min_bytes=min_bytes,
+        bandwidth=bandwidth,
+        progress=progress,
+    )
+    budget_bytes = parse_budget(budget, profile.none_peak_bytes)
+    problem = profile.problem()
+    solution: Solution = solve(problem, budget_bytes)
+    config = config_for(profile, solution.choices)
+    _check_resolution(bundle, profile, solution, config)
+    if out is not None:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        config.dump(out)
+    chosen = picked(profile, solution.choices)
+    layers = [
+        {
+            "index": i,
+            "candidate": c.name,
+            "retained_bytes": c.retained_bytes,
+            "offloaded_bytes": c.offloaded_bytes,
+        }
+        for i, c in enumerate(chosen)
+    ]
+    predicted_ratio = solution.predicted_seconds / profile.base_seconds
+    measured = error = None
+    if run:
+        if progress:
+            progress("running the plan")
+        result = measure_config(bundle, config, device, repeats=repeats)
+        measured = asdict(result)
+        error = {
+            "peak": (solution.predicted_peak_bytes - result.peak_bytes) / result.peak_bytes,
+            "time_ratio": (predicted_ratio - result.ratio_to_none) / result.ratio_to_none,
+        }
+    points = pareto_points(profile)
+    plan_result = BudgetPlanResult(
+        model=profile.model,
+        budget_bytes=budget_bytes,
+        from_cache=from_cache,
+        solution={
+            "predicted_peak_bytes": solution.predicted_peak_bytes,
+            "predicted_seconds": solution.predicted_seconds,
+            "predicted_ratio": predicted_ratio,
+            "candidates": list(solution.names),
+        },
+        config_path=str(out) if out is not None else None,
+        config=config.to_dict(),
+        layers=layers,
+        measured=measured,
+        prediction_error=error,
+        pareto=[asdict(p) for p in points],
+    )
+    if plot is not None:
+        requested = {
+            "predicted_peak_bytes": solution.predicted_peak_bytes,
+            "predicted_ratio": predicted_ratio,
+            "budget_bytes": budget_bytes,
+        }
+        if measured is not None:
+            requested["measured_peak_bytes"] = measured["peak_bytes"]
+            requested["measured_ratio"] = measured["ratio_to_none"]
+        write_pareto_plot(points, plot, f"{profile.model} on {profile.device}", requested)
+        plan_result.plot_path = str(plot)
+    return plan_result
+
+
+def _check_resolution(
+    bundle: ModelBundle, profile: ModelProfile, solution: Solution, config: RecomputeConfig
+) -> None:
+    """The written config must install exactly the candidates the solver chose."""
+    plan = plan_for(bundle.model, config)
+    for layer, candidate in zip(plan.layers, picked(profile, solution.choices), strict=True):
+        kept = [u.value for u in layer.kept_units]
+        if (
+            layer.mode != candidate.mode
+            or kept != list(candidate.kept_units)
+            or layer.offload_input != candidate.offload
+        ):
+            raise RuntimeError(
+                f"internal error: the planned config gives layer {layer.index} {layer.mode} {kept} "
+                f"(offload {layer.offload_input}) instead of candidate {candidate.name}; please report it"
+            )
+
+
+__all__ = [
+    "BudgetError",
+    "BudgetPlanResult",
+    "MeasuredRun",
+    "ParetoPoint",
+    "get_profile",
+    "measure_config",
+    "pareto_points",
+    "plan_under_budget",
+    "write_pareto_plot",
+]

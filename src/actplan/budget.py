@@ -188,6 +188,7 @@ def write_pareto_plot(
         [p.peak_bytes / 2**20 for p in plans],
         [p.time_ratio for p in plans],
         "o-",
+        drawstyle="steps-post",
         color="tab:blue",
         label="planner (budget sweep)",
     )

@@ -1,4 +1,4 @@
-"""The ``actplan`` command line: ``bench`` (the main job), ``explain`` and ``units``.
+"""The ``actplan`` command line: ``bench`` (the main job), ``profile``, ``plan``, ``explain`` and ``units``.
 
 Top of the import picture: it may use everything, nothing imports it.
 """
@@ -220,6 +220,160 @@ def _units(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _progress_bar(console: Console, quiet: bool) -> Progress:
+    return Progress(
+        TextColumn("[bold]{task.description:<40}"),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+        disable=quiet,
+    )
+
+
+def _profile_inputs(args: argparse.Namespace):
+    import torch
+
+    from actplan.bench import _device
+    from actplan.models import load_model
+    from actplan.sizes import parse_bytes
+
+    bundle = load_model(args.model, args.size)
+    bandwidth = None if args.bandwidth is None else float(parse_bytes(args.bandwidth))
+    device: torch.device = _device(args.device)
+    return bundle, device, parse_bytes(args.min_bytes), bandwidth
+
+
+def profile_table(profile) -> Table:
+    table = Table(title=f"profile of {profile.model} on {profile.device}")
+    for column in ("layers", "candidate", "retained MiB", "transient MiB", "offloaded MiB", "extra ms"):
+        table.add_column(column, justify="left" if column in ("layers", "candidate") else "right")
+    from actplan.plan import format_indices
+
+    for layer_type in profile.layer_types:
+        where = f"{layer_type.class_name} {format_indices(layer_type.layer_indices)}"
+        for position, c in enumerate(layer_type.candidates):
+            table.add_row(
+                where if position == 0 else "",
+                c.name,
+                mib(c.retained_bytes),
+                mib(c.transient_bytes),
+                mib(c.offloaded_bytes) if c.offload else "-",
+                f"{c.extra_seconds * 1e3:.2f}",
+            )
+    return table
+
+
+def _profile(args: argparse.Namespace, console: Console) -> int:
+    from actplan.budget import get_profile
+
+    bundle, device, min_bytes, bandwidth = _profile_inputs(args)
+    with _progress_bar(console, args.quiet) as bar:
+        task = bar.add_task("profiling", total=None)
+        profile, cached = get_profile(
+            bundle,
+            args.model,
+            device,
+            cache_dir=Path(args.cache_dir) if args.cache_dir else None,
+            refresh=args.refresh,
+            repeats=args.repeats,
+            min_bytes=min_bytes,
+            bandwidth=bandwidth,
+            progress=lambda label: bar.update(task, description=label),
+        )
+    console.print(profile_table(profile))
+    console.print(
+        f"{'cached' if cached else 'measured in ' + format(profile.seconds_spent, '.1f') + ' s'}: "
+        f"parameters {mib(profile.param_bytes)} MiB, optimizer state {mib(profile.optimizer_bytes)} MiB, "
+        f"activations outside the layers {mib(profile.nonlayer_activation_bytes)} MiB; step without "
+        f"checkpointing {profile.base_seconds:.3f} s, peak {mib(profile.none_peak_bytes)} MiB "
+        f"(full: {mib(profile.full_peak_bytes)} MiB)"
+    )
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(profile.to_json())
+        console.print(f"wrote {args.json}")
+    return 0
+
+
+def _plan(args: argparse.Namespace, console: Console) -> int:
+    import json
+
+    from actplan.budget import plan_under_budget
+
+    bundle, device, min_bytes, bandwidth = _profile_inputs(args)
+    with _progress_bar(console, args.quiet) as bar:
+        task = bar.add_task("profiling", total=None)
+        result = plan_under_budget(
+            bundle,
+            args.model,
+            args.budget,
+            device,
+            out=args.out,
+            plot=args.plot or None,
+            run=not args.no_run,
+            cache_dir=Path(args.cache_dir) if args.cache_dir else None,
+            refresh=args.refresh,
+            repeats=args.repeats,
+            min_bytes=min_bytes,
+            bandwidth=bandwidth,
+            progress=lambda label: bar.update(task, description=label),
+        )
+    solution = result.solution
+    table = Table(title=f"plan for {result.model} under {mib(result.budget_bytes)} MiB")
+    for column in ("", "peak MiB", "step time / none"):
+        table.add_column(column, justify="left" if not column else "right")
+    table.add_row("predicted", mib(solution["predicted_peak_bytes"]), f"{solution['predicted_ratio']:.3f}")
+    if result.measured is not None:
+        measured, error = result.measured, result.prediction_error
+        table.add_row(
+            "measured",
+            mib(measured["peak_bytes"]),
+            f"{measured['ratio_to_none']:.3f} ± {measured['ratio_spread']:.3f}",
+        )
+        table.add_row("prediction error", f"{error['peak']:+.1%}", f"{error['time_ratio']:+.1%}")
+    console.print(table)
+    from actplan.plan import format_indices
+
+    by_candidate: dict[str, list[int]] = {}
+    for layer in result.layers:
+        by_candidate.setdefault(layer["candidate"], []).append(layer["index"])
+    for name, indices in by_candidate.items():
+        console.print(f"  layers {format_indices(indices)}: {name}")
+    if result.config_path:
+        console.print(
+            f"wrote {result.config_path} (run it with `actplan bench --config {result.config_path}`)"
+        )
+    if result.plot_path:
+        console.print(f"wrote {result.plot_path}")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result.to_dict(), indent=2) + "\n")
+        console.print(f"wrote {args.json}")
+    if result.measured is not None and not result.measured["loss_identical"]:
+        console.print("[red]the plan's loss differs from no checkpointing[/]")
+        return 1
+    return 0
+
+
+def _add_profile_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model", default="dense", help=f"built-in ({', '.join(MODELS)}) or package.module:factory"
+    )
+    parser.add_argument("--size", default="small", help="size of a built-in model (tiny, small)")
+    parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    parser.add_argument("--repeats", type=int, default=5, help="timed rounds per measurement")
+    parser.add_argument("--min-bytes", default="64KiB", help="offload size threshold of offload candidates")
+    parser.add_argument(
+        "--bandwidth",
+        help="host link bandwidth per direction, bytes/s (e.g. 25GB): replaces the measured figure "
+        "in offload's charge",
+    )
+    parser.add_argument("--cache-dir", help="profile cache (default ~/.cache/actplan/profiles)")
+    parser.add_argument("--refresh", action="store_true", help="profile again even if cached")
+    parser.add_argument("--json", metavar="PATH", help="write the result as JSON")
+    parser.add_argument("--quiet", action="store_true", help="no progress display")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="actplan", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -268,6 +422,22 @@ def build_parser() -> argparse.ArgumentParser:
     explain.add_argument("--size", default="small")
     explain.add_argument("--config", required=True, help="preset name or YAML/JSON file")
     explain.set_defaults(run=_explain)
+
+    profile = sub.add_parser("profile", help="measure each layer type's keep/recompute/offload candidates")
+    _add_profile_options(profile)
+    profile.set_defaults(run=_profile)
+
+    plan = sub.add_parser("plan", help="the fastest plan under a memory budget: solve, write, run, check")
+    _add_profile_options(plan)
+    plan.add_argument(
+        "--budget",
+        required=True,
+        help="bytes ('40GiB', '1.5GB') or a share of the no-checkpoint peak ('60%%')",
+    )
+    plan.add_argument("--out", default="plan.yaml", help="where to write the plan (YAML or JSON)")
+    plan.add_argument("--plot", default="pareto.png", help="Pareto plot (PNG); '' for none")
+    plan.add_argument("--no-run", action="store_true", help="solve and write only")
+    plan.set_defaults(run=_plan)
 
     units = sub.add_parser("units", help="list the recompute units (all, or those a model declares)")
     units.add_argument("--model", choices=sorted(MODELS), help="only the units this model declares")

@@ -458,15 +458,20 @@ class OffloadEngine:
         self._moved: dict[int, tuple[StorageWeakRef, weakref.ref[_Moved], int]] = {}
         self._pending: list[_Moved] = []
         self._skip_storages: set[int] = set()
+        self._always_skip: set[int] = set()
         self._model: weakref.ref[nn.Module] | None = None
         self._warned_empty: set[str] = set()
         self._local = threading.local()
 
     # -- set-up ---------------------------------------------------------------------------
 
-    def attach(self, model: nn.Module) -> None:
-        """Skip ``model``'s buffers (rope tables, masks) whatever layer saves them."""
+    def attach(self, model: nn.Module, also_skip: Iterable[torch.Tensor] = ()) -> None:
+        """Skip ``model``'s buffers (rope tables, masks) whatever layer saves them, and the
+        storages of ``also_skip`` (tensors that are not activations, such as a parent
+        model's buffers when one layer runs on its own)."""
         self._model = weakref.ref(model)
+        self._always_skip = {t.untyped_storage()._cdata for t in also_skip}
+        self._skip_storages = set(self._always_skip)
 
     def _copies_for(self, device: torch.device) -> Any:
         copies = self._copies.get(device)
@@ -495,9 +500,9 @@ class OffloadEngine:
         # Dedup is within a pass: a storage saved again in a later pass is a new activation.
         self._moved.clear()
         model = self._model() if self._model is not None else None
-        self._skip_storages = (
-            {b.untyped_storage()._cdata for b in model.buffers()} if model is not None else set()
-        )
+        self._skip_storages = set(self._always_skip)
+        if model is not None:
+            self._skip_storages.update(b.untyped_storage()._cdata for b in model.buffers())
 
     def offload(self, tensor: torch.Tensor, group: _Group) -> torch.Tensor | _Handle:
         """Move ``tensor``'s storage to the host tier (once per storage); return its handle,

@@ -8,7 +8,8 @@ recompute, plus the copy time offload cannot hide).
 
 Memory follows the phases of a step, layers in backward order (last layer first):
 
-* backward start: ``static + nonlayer + sum_i retained_i``;
+* backward start: ``static + nonlayer + head_transient + sum_i retained_i`` (the loss
+  head's backward runs first, with every activation alive);
 * layer ``i``'s backward: ``static + other_grads + sum_{j<=i} retained_j + transient_i
   + sum_{j>i} layer_grads_j`` (later layers are freed, their gradients exist);
 * optimizer step: ``static + all gradients + optimizer_step_bytes``;
@@ -74,6 +75,7 @@ class PlanProblem:
     # Calibration: what measured backward peaks hold beyond the model above (the loss head's
     # backward, allocator timing); added to every backward phase.
     backward_extra_bytes: float = 0.0
+    head_transient_bytes: float = 0.0  # the loss head's backward, at backward start
 
     def __post_init__(self) -> None:
         if not self.layers:
@@ -100,7 +102,9 @@ class PlanProblem:
         picked = [self.layers[i][c] for i, c in enumerate(choices)]
         after = self.grads_after()
         base = self.static_bytes + self.backward_extra_bytes
-        phases = [base + self.nonlayer_bytes + sum(p.retained_bytes for p in picked)]
+        phases = [
+            base + self.nonlayer_bytes + self.head_transient_bytes + sum(p.retained_bytes for p in picked)
+        ]
         retained = 0.0
         for i, p in enumerate(picked):
             retained += p.retained_bytes
@@ -163,7 +167,7 @@ def _milp(problem: PlanProblem, budget: float | None) -> tuple[int, ...] | None:
         start += size
     # Backward start: S_last <= cap - static - nonlayer
     phase[layers, s0 + layers - 1] = 1.0
-    phase_upper[layers] = cap - static - problem.nonlayer_bytes / _MIB
+    phase_upper[layers] = cap - static - (problem.nonlayer_bytes + problem.head_transient_bytes) / _MIB
     if minimise_peak:
         phase[:, p_col] = -1.0  # every phase <= P, P minimised
     constraints = [

@@ -100,6 +100,8 @@ class ModelProfile:
     # Measured backward peaks of `none` and `full` beyond what the phase model predicts for
     # them (the loss head's backward, mostly); the planner adds it to every backward phase.
     backward_extra_bytes: int = 0
+    # What the loss head's backward (logits gradient, softmax) needs on top, measured.
+    head_transient_bytes: int = 0
     seconds_spent: float = 0.0
 
     def type_of(self, index: int) -> LayerTypeProfile:
@@ -125,6 +127,7 @@ class ModelProfile:
             other_grad_bytes=self.other_grad_bytes,
             optimizer_step_bytes=self.optimizer_step_bytes,
             backward_extra_bytes=self.backward_extra_bytes,
+            head_transient_bytes=self.head_transient_bytes,
         )
 
     def to_json(self) -> str:
@@ -220,6 +223,30 @@ def _model_step(
         optimizer.zero_grad(set_to_none=True)
 
 
+def _watch_head_backward(model: nn.Module, meter: MemoryMeter) -> list[int]:
+    """Record the meter's live-bytes peak between the ``forward_end`` mark and the moment the
+    gradient reaches the last layer's output: the peak of the loss head's backward. Returns
+    the one-element list it fills in then."""
+    seen: list[int] = []
+    last = find_layers(model)[-1][1]
+
+    def on_grad(grad: torch.Tensor) -> None:
+        if not seen:
+            timeline = meter.report().timeline
+            start = max(i for i, (label, _) in enumerate(timeline) if label == "forward_end")
+            seen.append(max(live for _, live in timeline[start:]))
+
+    def on_output(module, args, output) -> None:
+        handle.remove()
+        for t in tree_leaves(output):
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(on_grad)
+                break
+
+    handle = last.register_forward_hook(on_output)
+    return seen
+
+
 def _type_key(module: nn.Module, args: tuple, kwargs: dict) -> str:
     shapes = [
         (list(t.shape), str(t.dtype)) if isinstance(t, torch.Tensor) else type(t).__name__
@@ -230,17 +257,22 @@ def _type_key(module: nn.Module, args: tuple, kwargs: dict) -> str:
 
 
 def _capture_layer_inputs(model: nn.Module, batch: dict) -> list[tuple[str, tuple, dict]]:
-    """Per layer, its type key and a detached copy of the inputs of one forward."""
+    """Per layer, its type key and a copy of the inputs of one forward. Inputs that are the
+    model's parameters or buffers (a RoPE table) stay themselves: they are not activations."""
     captured: list[tuple[str, tuple, dict] | None] = [None] * len(find_layers(model))
+    owned = {t.untyped_storage()._cdata for t in [*model.parameters(), *model.buffers()]}
+
+    def copy_input(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor) or t.untyped_storage()._cdata in owned:
+            return t
+        return _Activation(t.detach().clone())
+
     handles = []
     for index, (_, layer) in enumerate(find_layers(model)):
 
         def hook(module, args, kwargs, index=index):
             if captured[index] is None:
-                detached = tree_map(
-                    lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, (args, kwargs)
-                )
-                captured[index] = (_type_key(module, args, kwargs), *detached)
+                captured[index] = (_type_key(module, args, kwargs), *tree_map(copy_input, (args, kwargs)))
 
         handles.append(layer.register_forward_pre_hook(hook, with_kwargs=True))
     try:
@@ -256,6 +288,23 @@ def _capture_layer_inputs(model: nn.Module, batch: dict) -> list[tuple[str, tupl
             f"layers {missing} did not run in a forward pass; a profile needs every layer to run"
         )
     return captured  # type: ignore[return-value]
+
+
+class _Activation:
+    """A captured activation input: copied afresh for every isolated run (a pytree leaf)."""
+
+    __slots__ = ("_leaf", "tensor")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+        self._leaf: torch.Tensor | None = None
+
+    def leaf(self) -> torch.Tensor:
+        """A leaf that requires grad, with its gradient buffer already allocated."""
+        if self._leaf is None:
+            self._leaf = self.tensor.clone().requires_grad_(True)
+            self._leaf.grad = torch.zeros_like(self._leaf)
+        return self._leaf
 
 
 class _IsolatedLayer:
@@ -275,13 +324,15 @@ class _IsolatedLayer:
         ]
 
     def _inputs(self) -> tuple[tuple, dict]:
-        # Fresh non-leaf copies, so the layer's own saved set decides whether they stay alive.
-        def fresh(t):
-            if not isinstance(t, torch.Tensor):
-                return t
-            if t.is_floating_point():
-                return t.clone().requires_grad_(True) * 1.0
-            return t.clone()
+        # Fresh non-leaf copies of the activations, made inside the measured window, so the
+        # layer's own saved set decides whether they stay alive; the leaves they come from
+        # (and their gradients) exist before it. Parameters and buffers pass as they are.
+        def fresh(item):
+            if not isinstance(item, _Activation):
+                return item
+            if item.tensor.is_floating_point():
+                return item.leaf() * 1.0
+            return item.tensor.clone()
 
         return tree_map(fresh, (self.args, self.kwargs))
 
@@ -298,6 +349,11 @@ class _IsolatedLayer:
             if candidate.kept_units:
                 config["offload"]["units"] = "kept"
         actplan.apply(layer, RecomputeConfig.from_dict(config, source=f"candidate {candidate.name}"))
+        engine = offload_engine(layer)
+        if engine is not None:
+            # The parent model's parameters and buffers passed in (a RoPE table) stay put.
+            passed = [t for t in tree_leaves((self.args, self.kwargs)) if isinstance(t, torch.Tensor)]
+            engine.attach(layer, also_skip=passed)
         for p in layer.parameters():
             if p.requires_grad:
                 p.grad = torch.zeros_like(p)  # accumulate in place: grads are a fixed cost
@@ -398,6 +454,7 @@ def profile_model(
 
     # Whole-model figures: fixed costs, step time and peaks of none and full.
     figures = {}
+    head_transients: list[int] = []
     for preset in ("none", "full"):
         plain = copy.deepcopy(model)
         actplan.apply(plain, preset)
@@ -405,10 +462,12 @@ def profile_model(
         _model_step(plain, batch, optimizer)
         with MemoryMeter(plain, optimizer) as meter:
             torch.manual_seed(0)
+            head_peak = _watch_head_backward(plain, meter)
             loss = _loss(plain(**batch))
-            meter.mark("forward_end")
+            forward_end = meter.mark("forward_end").live_bytes
             loss.backward()
             del loss
+        head_transients.append(max(head_peak[0] - forward_end, 0) if head_peak else 0)
         # The optimizer step's own temporaries, with every gradient in place.
         with MemoryMeter(plain, optimizer) as step_meter:
             optimizer.step()
@@ -483,6 +542,8 @@ def profile_model(
     profile.nonlayer_activation_bytes = max(
         full_report.marks["forward_end"].activation_bytes - retained_full, 0
     )
+    # The loss head's backward runs first, with every activation still alive.
+    profile.head_transient_bytes = max(head_transients)
     # Calibrate the backward phases on the two measured runs (their forward+backward peaks).
     problem = profile.problem()
     residuals = []

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import functools
 import importlib
+import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
@@ -72,7 +74,8 @@ def build_model(name: str = "dense", size: str = "small", **overrides) -> ModelB
 def load_model(spec: str, size: str = "small") -> ModelBundle:
     """A built-in model by name, or a user model given as ``package.module:factory``.
 
-    The factory is called with no arguments and returns either a ``ModelBundle`` or a pair
+    The module is imported with the working directory on ``sys.path``. The factory is called
+    with no arguments and returns either a ``ModelBundle`` or a pair
     ``(model, make_batch)``: ``make_batch(seed)`` returns the keyword arguments of one
     training step, and ``model(**make_batch(seed))`` returns the loss (a scalar tensor, or a
     dict with a ``"loss"`` entry). Its checkpointable layers are the modules whose class
@@ -86,6 +89,9 @@ def load_model(spec: str, size: str = "small") -> ModelBundle:
             "'package.module:function'"
         )
     module_name, _, attribute = spec.partition(":")
+    # As `python -m` does: modules in the working directory are importable.
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(module_name)
     except ImportError as err:

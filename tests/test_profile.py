@@ -1,0 +1,207 @@
+"""The profiler, the profile cache, budget planning end to end, and the CLI around them."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+import actplan
+from actplan.budget import get_profile, measure_config, plan_under_budget, preset_choices
+from actplan.cli import main
+from actplan.config import RecomputeConfig
+from actplan.models import build_model, load_model
+from actplan.planner import minimum_peak
+from actplan.profile import ModelProfile, cache_key, config_for, load_cached, picked
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("profiles")
+
+
+@pytest.fixture(scope="module")
+def dense(cache):
+    bundle = load_model("plan_models:dense_long")
+    profile, _ = get_profile(bundle, "plan_models:dense_long", CPU, cache_dir=cache, repeats=3, min_bytes=0)
+    return bundle, profile
+
+
+@pytest.fixture(scope="module")
+def moe(cache):
+    bundle = load_model("plan_models:moe_long")
+    profile, _ = get_profile(bundle, "plan_models:moe_long", CPU, cache_dir=cache, repeats=3, min_bytes=0)
+    return bundle, profile
+
+
+# ---------------------------------------------------------------------------------------------
+# Cache keys
+
+
+def test_cache_key_follows_shapes_dtype_device_torch_and_threshold(monkeypatch):
+    bundle = build_model("dense", "tiny")
+    key = cache_key(bundle, "dense", CPU, 0)
+    assert cache_key(bundle, "dense", CPU, 0) == key
+    assert cache_key(build_model("dense", "tiny", batch_size=3), "dense", CPU, 0) != key
+    assert cache_key(build_model("dense", "tiny", dim=96), "dense", CPU, 0) != key
+    double = copy.deepcopy(bundle)
+    double.model.double()
+    assert cache_key(double, "dense", CPU, 0) != key
+    assert cache_key(bundle, "dense", torch.device("meta"), 0) != key
+    assert cache_key(bundle, "dense", CPU, 1024) != key
+    monkeypatch.setattr(torch, "__version__", "2.99.0")
+    assert cache_key(bundle, "dense", CPU, 0) != key
+
+
+def test_a_damaged_cache_file_is_profiled_again(tmp_path):
+    (tmp_path / "abc.json").write_text("{not json")
+    assert load_cached(tmp_path, "abc") is None
+    assert load_cached(tmp_path, "missing") is None
+
+
+# ---------------------------------------------------------------------------------------------
+# What the profile holds
+
+
+@pytest.mark.slow
+def test_profile_has_every_candidate_kind_and_sane_costs(dense, cache):
+    bundle, profile = dense
+    (layer_type,) = profile.layer_types
+    assert layer_type.layer_indices == [0, 1]
+    names = [c.name for c in layer_type.candidates]
+    for expected in (
+        "none",
+        "full",
+        "attn",
+        "matmuls",
+        "megatron-selective",
+        "full+offload",
+        "matmuls+offload",
+    ):
+        assert expected in names
+    assert any(name.startswith("keep ") for name in names)  # the greedy chain
+    assert len(names) == len(set(names))
+    none, full, matmuls = (layer_type.candidate(n) for n in ("none", "full", "matmuls"))
+    # `full` keeps exactly the layer input: batch x seq x dim fp32.
+    assert full.retained_bytes == 16 * 64 * 64 * 4
+    assert full.retained_bytes < matmuls.retained_bytes < none.retained_bytes
+    assert none.extra_seconds == 0.0 and full.extra_seconds >= 0.0
+    offloaded = layer_type.candidate("full+offload")
+    assert offloaded.offloaded_bytes == full.retained_bytes and offloaded.retained_bytes == 0
+    # Cached: the same profile comes back without measuring.
+    again, from_cache = get_profile(bundle, "plan_models:dense_long", CPU, cache_dir=cache, min_bytes=0)
+    assert from_cache and again == profile
+    assert ModelProfile.from_json(profile.to_json()) == profile
+
+
+@pytest.mark.slow
+def test_profile_predicts_the_measured_peaks_of_none_and_full(dense, moe):
+    for _, profile in (dense, moe):
+        problem = profile.problem()
+        for preset, measured in (("none", profile.none_peak_bytes), ("full", profile.full_peak_bytes)):
+            predicted = problem.peak(preset_choices(profile, preset))
+            assert abs(predicted - measured) / measured < 0.05, (profile.model, preset, predicted, measured)
+
+
+# ---------------------------------------------------------------------------------------------
+# End to end
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("which", ["dense", "moe"])
+def test_plan_at_a_mid_budget_runs_under_it_as_predicted(which, dense, moe, cache, tmp_path):
+    bundle, profile = {"dense": dense, "moe": moe}[which]
+    lowest, _ = minimum_peak(profile.problem())
+    budget = int((lowest + profile.none_peak_bytes) / 2)
+    result = plan_under_budget(
+        bundle,
+        f"plan_models:{which}_long",
+        str(budget),
+        CPU,
+        out=tmp_path / "plan.yaml",
+        plot=tmp_path / "pareto.png",
+        cache_dir=cache,
+        repeats=3,
+        min_bytes=0,
+    )
+    assert result.from_cache
+    measured = result.measured
+    assert measured["loss_identical"]
+    assert measured["peak_bytes"] <= budget
+    assert abs(result.prediction_error["peak"]) <= 0.10
+    assert result.solution["predicted_peak_bytes"] <= budget
+    # The file is an ordinary config that installs the chosen candidates.
+    config = RecomputeConfig.from_file(tmp_path / "plan.yaml")
+    plan = actplan.plan_for(bundle.model, config)
+    chosen = [layer["candidate"] for layer in result.layers]
+    assert [layer.mode for layer in plan.layers] == [
+        next(c for c in profile.type_of(i).candidates if c.name == name).mode for i, name in enumerate(chosen)
+    ]
+    assert (tmp_path / "pareto.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+def test_config_for_round_trips_every_chosen_candidate(moe):
+    bundle, profile = moe
+    problem = profile.problem()
+    _, choices = minimum_peak(problem)
+    config = config_for(profile, choices)
+    plan = actplan.plan_for(bundle.model, config)
+    for layer, candidate in zip(plan.layers, picked(profile, choices), strict=True):
+        assert layer.mode == candidate.mode
+        assert [u.value for u in layer.kept_units] == candidate.kept_units
+        assert layer.offload_input == candidate.offload
+    assert measure_config(bundle, config, CPU, repeats=1, warmup=0).loss_identical
+
+
+# ---------------------------------------------------------------------------------------------
+# Models and the CLI
+
+
+def test_model_spec_errors_name_the_fix():
+    with pytest.raises(ValueError, match="built-in name"):
+        load_model("nope")
+    with pytest.raises(ValueError, match="cannot import"):
+        load_model("no_such_module_xyz:factory")
+    with pytest.raises(ValueError, match="no callable"):
+        load_model("plan_models:missing")
+    with pytest.raises(ValueError, match="return a ModelBundle or a pair"):
+        load_model("plan_models:not_a_pair")
+
+
+@pytest.mark.slow
+def test_cli_plan_writes_the_plan_and_the_plot(dense, cache, tmp_path, capsys):
+    out, plot, report = tmp_path / "plan.yaml", tmp_path / "pareto.png", tmp_path / "plan.json"
+    args = ["plan", "--model", "plan_models:dense_long", "--budget", "80%", "--min-bytes", "0"]
+    args += ["--repeats", "3", "--cache-dir", str(cache), "--out", str(out), "--plot", str(plot)]
+    assert main([*args, "--json", str(report), "--quiet"]) == 0
+    printed = capsys.readouterr().out
+    assert "predicted" in printed and "measured" in printed and "prediction error" in printed
+    assert RecomputeConfig.from_file(out)
+    result = json.loads(report.read_text())
+    assert result["measured"]["peak_bytes"] <= result["budget_bytes"]
+    assert plot.exists()
+
+
+def test_cli_plan_below_the_minimum_states_it(dense, cache, capsys):
+    args = ["plan", "--model", "plan_models:dense_long", "--budget", "1MiB", "--min-bytes", "0"]
+    assert main([*args, "--cache-dir", str(cache), "--no-run", "--plot", "", "--quiet"]) == 2
+    assert "smallest predicted peak is" in capsys.readouterr().out
+
+
+def test_cli_plan_rejects_a_malformed_budget(dense, cache, capsys):
+    args = ["plan", "--model", "plan_models:dense_long", "--budget", "lots", "--min-bytes", "0"]
+    assert main([*args, "--cache-dir", str(cache), "--no-run", "--plot", "", "--quiet"]) == 2
+    assert "cannot read budget 'lots'" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_cli_profile_prints_the_candidates(dense, cache, capsys):
+    args = ["profile", "--model", "plan_models:dense_long", "--min-bytes", "0", "--cache-dir", str(cache)]
+    assert main([*args, "--quiet"]) == 0
+    printed = capsys.readouterr().out
+    assert "cached" in printed and "matmuls+offload" in printed

@@ -16,7 +16,11 @@ LOCAL = [block for block in BLOCKS if "torchrun" not in block]
 DISTRIBUTED = [block for block in BLOCKS if "torchrun" in block]
 
 
-def test_readme_python_blocks_run_and_are_exact():
+@pytest.mark.slow
+def test_readme_python_blocks_run_and_are_exact(tmp_path, monkeypatch):
+    # The planner example writes plan.yaml and pareto.png and caches a profile: keep them here.
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     assert len(LOCAL) >= 2
     namespace: dict = {}
     for block in LOCAL:

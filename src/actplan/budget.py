@@ -126,7 +126,7 @@ def measure_config(
 @dataclass
 class ParetoPoint:
     label: str
-    kind: str  # "preset", "plan", "requested"
+    kind: str  # "preset" and "plan" (predicted), "measured"
     peak_bytes: float
     time_ratio: float
 
@@ -197,6 +197,15 @@ def write_pareto_plot(
             ax.plot(p.peak_bytes / 2**20, p.time_ratio, "s", color="tab:gray")
             ax.annotate(
                 p.label, (p.peak_bytes / 2**20, p.time_ratio), textcoords="offset points", xytext=(5, 4)
+            )
+        elif p.kind == "measured":
+            ax.plot(p.peak_bytes / 2**20, p.time_ratio, "o", mfc="none", color="tab:orange")
+            ax.annotate(
+                p.label,
+                (p.peak_bytes / 2**20, p.time_ratio),
+                textcoords="offset points",
+                xytext=(5, -10),
+                fontsize=7,
             )
     if requested is not None:
         ax.plot(

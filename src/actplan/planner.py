@@ -27,7 +27,7 @@ from __future__ import annotations
 import itertools
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
@@ -128,7 +128,34 @@ class Solution:
 _MIB = float(2**20)
 
 
+def _undominated(candidates: tuple[Candidate, ...]) -> list[int]:
+    """Indices of candidates no other candidate beats or ties on retained, transient and time
+    (the first of identical ones is kept). Dropping the rest never changes the optimum:
+    swapping a dominated choice for its dominator raises no phase and no time."""
+    keys = [(c.retained_bytes, c.transient_bytes, c.extra_seconds) for c in candidates]
+    kept = []
+    for i, a in enumerate(keys):
+        dominated = any(
+            all(b[k] <= a[k] for k in range(3)) and (b != a or j < i) for j, b in enumerate(keys) if j != i
+        )
+        if not dominated:
+            kept.append(i)
+    return kept
+
+
 def _milp(problem: PlanProblem, budget: float | None) -> tuple[int, ...] | None:
+    """Solve on the undominated candidates; choices index the full candidate lists."""
+    keep = [_undominated(cs) for cs in problem.layers]
+    reduced = replace(
+        problem, layers=tuple(tuple(cs[i] for i in k) for cs, k in zip(problem.layers, keep, strict=True))
+    )
+    choices = _milp_reduced(reduced, budget)
+    if choices is None:
+        return None
+    return tuple(k[c] for k, c in zip(keep, choices, strict=True))
+
+
+def _milp_reduced(problem: PlanProblem, budget: float | None) -> tuple[int, ...] | None:
     """Least time under ``budget``, or (``budget=None``) least peak. ``None``: nothing fits.
 
     Variables: one binary per (layer, candidate); S_i, the retained bytes of layers 0..i;

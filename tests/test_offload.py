@@ -119,6 +119,21 @@ def test_prefetch_reloads_the_layer_before_the_one_in_use():
         assert [g.loaded for g in groups] == expected, prefetch
 
 
+def test_prefetch_counts_layers_not_groups():
+    # Layers 0, 2 and 3 offload; layer 1 does not. Prefetch 1 reaches one layer back only.
+    engine = OffloadEngine(min_bytes=0, prefetch=1)
+    groups, handles = {}, {}
+    for position in (0, 2, 3):
+        groups[position] = engine.begin_group(f"layer {position}", position, position)
+        handles[position] = engine.offload(torch.randn(16), groups[position])
+    handles[3].materialize()
+    assert [groups[p].loaded for p in (0, 2, 3)] == [False, True, True]
+    handles[2].materialize()
+    assert not groups[0].loaded
+    handles[0].materialize()
+    assert groups[0].loaded
+
+
 def test_a_tensor_changed_in_place_after_offload_is_an_error():
     engine = OffloadEngine(min_bytes=0)
     tensor = torch.randn(32)

@@ -24,6 +24,7 @@ candidates = st.builds(
     retained_bytes=st.integers(0, 200).map(lambda m: float(m * MIB)),
     transient_bytes=st.integers(0, 100).map(lambda m: float(m * MIB)),
     extra_seconds=st.integers(0, 1000).map(lambda ms: ms / 1000),
+    offloaded_bytes=st.integers(0, 100).map(lambda m: float(m * MIB)),
 )
 mib = st.integers(0, 300).map(lambda m: float(m * MIB))
 
@@ -39,6 +40,7 @@ def problems(draw):
         layer_grad_bytes=tuple(draw(mib) for _ in layers),
         other_grad_bytes=draw(mib),
         optimizer_step_bytes=draw(mib),
+        prefetch_layers=draw(st.integers(0, 2)),
     )
 
 
@@ -98,6 +100,10 @@ def test_peak_follows_the_phases_of_backward():
     # Backward start 100 + 20 + 3; layer 0: 100 + 2 + 1 + 7 + 10 grads of layers 1-2; optimizer 118.
     assert with_grads.peak((0, 1, 1)) == 123
     assert with_grads.optimizer_phase_bytes == 118
+    # With prefetch, layer i's phase also holds what layer i-1 offloaded (reloaded early).
+    moved = (Candidate("a", 1, 7, 0, offloaded_bytes=50), Candidate("b", 1, 3, 0))
+    prefetching = PlanProblem(layers=(moved,) * 3, static_bytes=0, base_seconds=0, prefetch_layers=1)
+    assert prefetching.peak((0, 1, 1)) == 2 + 3 + 50
 
 
 @pytest.mark.parametrize(

@@ -104,6 +104,7 @@ def apply(model: nn.Module, config: RecomputeConfig | dict[str, Any] | str | Pat
                 layer_input=layer_plan.offload_input,
                 intervals=layer_plan.offload_intervals if not layer_plan.checkpointed else (),
                 what=layer_plan.describe_offload(),
+                position=layer_plan.index,
             )
     model.__dict__[_PLAN_ATTR] = plan
     return plan

@@ -375,7 +375,17 @@ class _Handle:
 class _Group:
     """The offloaded storages of one layer call."""
 
-    __slots__ = ("__weakref__", "engine", "index", "loaded", "moved", "name", "pass_id", "tensors")
+    __slots__ = (
+        "__weakref__",
+        "engine",
+        "index",
+        "loaded",
+        "moved",
+        "name",
+        "pass_id",
+        "position",
+        "tensors",
+    )
 
     def __init__(self, engine: OffloadEngine, name: str, index: int, pass_id: int) -> None:
         self.engine = engine
@@ -385,6 +395,7 @@ class _Group:
         self.moved: dict[int, _Moved] = {}
         self.tensors = 0
         self.loaded = False
+        self.position = index
 
 
 @dataclass
@@ -482,14 +493,19 @@ class OffloadEngine:
 
     # -- forward --------------------------------------------------------------------------
 
-    def begin_group(self, name: str, layer_key: int) -> _Group:
-        """Open the group of one layer call; a layer seen again starts a new forward pass."""
+    def begin_group(self, name: str, layer_key: int, position: int | None = None) -> _Group:
+        """Open the group of one layer call; a layer seen again starts a new forward pass.
+
+        ``position`` is the layer's index in the model (default: the order of calls); backward
+        prefetches the groups at most ``prefetch`` positions before the one in use.
+        """
         if layer_key in self._pass_layers or not self._pass_layers:
             self._new_pass()
         self._pass_layers.add(layer_key)
         self._release_copied_sources()
         self._group_count += 1
         group = _Group(self, name, self._group_count, self._pass_id)
+        group.position = self._group_count if position is None else position
         self._groups.append(weakref.ref(group))
         return group
 
@@ -567,22 +583,24 @@ class OffloadEngine:
     # -- backward -------------------------------------------------------------------------
 
     def ensure_loaded(self, group: _Group) -> None:
-        """Reload ``group`` (if not yet) and prefetch the groups before it in its pass."""
+        """Reload ``group`` (if not yet) and prefetch the groups of the ``prefetch`` layers
+        before it in its pass."""
         if group.loaded:
             return
         self._release_copied_sources()
         self._load(group)
-        if self.prefetch:
-            ahead = 0
-            for ref in reversed(self._groups):
-                earlier = ref()
-                if earlier is None or earlier.index >= group.index or earlier.pass_id != group.pass_id:
-                    continue
-                if not earlier.loaded:
-                    self._load(earlier)
-                ahead += 1
-                if ahead >= self.prefetch:
-                    break
+        # Prefetch by layer distance, so what is in flight is bounded by `prefetch` layers'
+        # worth of offloaded bytes (the planner's peak model counts exactly that).
+        lowest = group.position - self.prefetch
+        for ref in self._groups:
+            earlier = ref()
+            if (
+                earlier is not None
+                and not earlier.loaded
+                and earlier.pass_id == group.pass_id
+                and lowest <= earlier.position < group.position
+            ):
+                self._load(earlier)
 
     def _load(self, group: _Group) -> None:
         group.loaded = True
@@ -720,6 +738,7 @@ class OffloadState:
     closes: dict[str, tuple[Any, ...]]
     what: str
     previous_forward: Callable[..., Any] | None
+    position: int | None = None
 
 
 class _OpenUnits:
@@ -754,7 +773,7 @@ def _offloaded_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
             "config of compiled layers, or do not compile them"
         )
     engine = state.engine
-    group = engine.begin_group(state.name, id(self))
+    group = engine.begin_group(state.name, id(self), state.position)
     engine._local.group = group
     try:
         if state.layer_input:
@@ -788,14 +807,15 @@ def apply_offload(
     layer_input: bool = False,
     intervals: Iterable[Any] = (),
     what: str = "saved tensors",
+    position: int | None = None,
 ) -> nn.Module:
     """Offload what ``module`` saves for backward through ``engine``.
 
     ``layer_input``: the input a checkpointed layer saves (wrap after
     ``apply_gradient_checkpointing``). ``intervals``: in a layer that is *not* checkpointed,
     the tensors autograd saves while one of these intervals is open. Kept units of a
-    selectively checkpointed layer are offloaded by its policy instead. Undo with
-    ``remove_offload``.
+    selectively checkpointed layer are offloaded by its policy instead. ``position``: the
+    layer's index in the model, for prefetch distances. Undo with ``remove_offload``.
     """
     if _STATE_ATTR in module.__dict__:
         raise ValueError(f"{name} already has an offload wrapper; call remove_offload(module) first")
@@ -813,6 +833,7 @@ def apply_offload(
         closes={m: tuple(v) for m, v in closes.items()},
         what=what,
         previous_forward=module.__dict__.get("forward"),
+        position=position,
     )
     module.forward = types.MethodType(_offloaded_forward, module)
     return module

@@ -11,7 +11,9 @@ Memory follows the phases of a step, layers in backward order (last layer first)
 * backward start: ``static + nonlayer + head_transient + sum_i retained_i`` (the loss
   head's backward runs first, with every activation alive);
 * layer ``i``'s backward: ``static + other_grads + sum_{j<=i} retained_j + transient_i
-  + sum_{j>i} layer_grads_j`` (later layers are freed, their gradients exist);
+  + sum_{j>i} layer_grads_j`` (later layers are freed, their gradients exist), plus the
+  offloaded bytes of the ``prefetch_layers`` layers before ``i``, reloaded ahead of use
+  (counted whether or not layer ``i`` itself triggers the prefetch: an upper bound);
 * optimizer step: ``static + all gradients + optimizer_step_bytes``;
 
 with ``static`` = parameters and optimizer state (the backward phases also carry
@@ -76,6 +78,8 @@ class PlanProblem:
     # backward, allocator timing); added to every backward phase.
     backward_extra_bytes: float = 0.0
     head_transient_bytes: float = 0.0  # the loss head's backward, at backward start
+    # Offload reloads this many earlier layers during a layer's backward (counted in its phase).
+    prefetch_layers: int = 0
 
     def __post_init__(self) -> None:
         if not self.layers:
@@ -108,7 +112,8 @@ class PlanProblem:
         retained = 0.0
         for i, p in enumerate(picked):
             retained += p.retained_bytes
-            phases.append(base + self.other_grad_bytes + retained + p.transient_bytes + after[i])
+            prefetched = sum(q.offloaded_bytes for q in picked[max(i - self.prefetch_layers, 0) : i])
+            phases.append(base + self.other_grad_bytes + retained + p.transient_bytes + prefetched + after[i])
         phases.append(self.optimizer_phase_bytes)
         return max(phases)
 
@@ -165,6 +170,8 @@ def _milp_reduced(problem: PlanProblem, budget: float | None) -> tuple[int, ...]
     n, layers = sum(sizes), len(sizes)
     retained = np.array([c.retained_bytes / _MIB for cs in problem.layers for c in cs])
     transient = np.array([c.transient_bytes / _MIB for cs in problem.layers for c in cs])
+    offloaded = np.array([c.offloaded_bytes / _MIB for cs in problem.layers for c in cs])
+    starts = np.cumsum([0, *sizes])
     seconds = np.array([c.extra_seconds for cs in problem.layers for c in cs])
     minimise_peak = budget is None
     width = n + layers + (1 if minimise_peak else 0)
@@ -190,6 +197,10 @@ def _milp_reduced(problem: PlanProblem, budget: float | None) -> tuple[int, ...]
         # Layer i's backward: S_i + transient_i <= cap - static - other - grads after i
         phase[i, s0 + i] = 1.0
         phase[i, block] = transient[block]
+        # The earlier layers prefetched while this one runs: their offloaded bytes are back.
+        for j in range(max(i - problem.prefetch_layers, 0), i):
+            earlier = slice(starts[j], starts[j + 1])
+            phase[i, earlier] = offloaded[earlier]
         phase_upper[i] = cap - static - other - after[i]
         start += size
     # Backward start: S_last <= cap - static - nonlayer

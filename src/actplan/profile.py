@@ -102,6 +102,8 @@ class ModelProfile:
     backward_extra_bytes: int = 0
     # What the loss head's backward (logits gradient, softmax) needs on top, measured.
     head_transient_bytes: int = 0
+    # Offload's prefetch depth the plans are written with (OffloadConfig's default).
+    prefetch_layers: int = 1
     seconds_spent: float = 0.0
 
     def type_of(self, index: int) -> LayerTypeProfile:
@@ -128,6 +130,7 @@ class ModelProfile:
             optimizer_step_bytes=self.optimizer_step_bytes,
             backward_extra_bytes=self.backward_extra_bytes,
             head_transient_bytes=self.head_transient_bytes,
+            prefetch_layers=self.prefetch_layers,
         )
 
     def to_json(self) -> str:

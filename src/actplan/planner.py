@@ -134,14 +134,15 @@ _MIB = float(2**20)
 
 
 def _undominated(candidates: tuple[Candidate, ...]) -> list[int]:
-    """Indices of candidates no other candidate beats or ties on retained, transient and time
-    (the first of identical ones is kept). Dropping the rest never changes the optimum:
-    swapping a dominated choice for its dominator raises no phase and no time."""
-    keys = [(c.retained_bytes, c.transient_bytes, c.extra_seconds) for c in candidates]
+    """Indices of candidates no other candidate beats or ties on every cost (retained,
+    transient, time, offloaded; the first of identical ones is kept). Dropping the rest
+    never changes the optimum: swapping a dominated choice for its dominator raises no
+    phase and no time."""
+    keys = [(c.retained_bytes, c.transient_bytes, c.extra_seconds, c.offloaded_bytes) for c in candidates]
     kept = []
     for i, a in enumerate(keys):
         dominated = any(
-            all(b[k] <= a[k] for k in range(3)) and (b != a or j < i) for j, b in enumerate(keys) if j != i
+            all(b[k] <= a[k] for k in range(4)) and (b != a or j < i) for j, b in enumerate(keys) if j != i
         )
         if not dominated:
             kept.append(i)

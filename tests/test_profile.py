@@ -26,15 +26,17 @@ def cache(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def dense(cache):
-    bundle = load_model("plan_models:dense_long")
-    profile, _ = get_profile(bundle, "plan_models:dense_long", CPU, cache_dir=cache, repeats=3, min_bytes=0)
+    bundle = load_model("model_factories:dense_long")
+    profile, _ = get_profile(
+        bundle, "model_factories:dense_long", CPU, cache_dir=cache, repeats=3, min_bytes=0
+    )
     return bundle, profile
 
 
 @pytest.fixture(scope="module")
 def moe(cache):
-    bundle = load_model("plan_models:moe_long")
-    profile, _ = get_profile(bundle, "plan_models:moe_long", CPU, cache_dir=cache, repeats=3, min_bytes=0)
+    bundle = load_model("model_factories:moe_long")
+    profile, _ = get_profile(bundle, "model_factories:moe_long", CPU, cache_dir=cache, repeats=3, min_bytes=0)
     return bundle, profile
 
 
@@ -93,7 +95,7 @@ def test_profile_has_every_candidate_kind_and_sane_costs(dense, cache):
     offloaded = layer_type.candidate("full+offload")
     assert offloaded.offloaded_bytes == full.retained_bytes and offloaded.retained_bytes == 0
     # Cached: the same profile comes back without measuring.
-    again, from_cache = get_profile(bundle, "plan_models:dense_long", CPU, cache_dir=cache, min_bytes=0)
+    again, from_cache = get_profile(bundle, "model_factories:dense_long", CPU, cache_dir=cache, min_bytes=0)
     assert from_cache and again == profile
     assert ModelProfile.from_json(profile.to_json()) == profile
 
@@ -119,7 +121,7 @@ def test_plan_at_a_mid_budget_runs_under_it_as_predicted(which, dense, moe, cach
     budget = int((lowest + profile.none_peak_bytes) / 2)
     result = plan_under_budget(
         bundle,
-        f"plan_models:{which}_long",
+        f"model_factories:{which}_long",
         str(budget),
         CPU,
         out=tmp_path / "plan.yaml",
@@ -168,15 +170,15 @@ def test_model_spec_errors_name_the_fix():
     with pytest.raises(ValueError, match="cannot import"):
         load_model("no_such_module_xyz:factory")
     with pytest.raises(ValueError, match="no callable"):
-        load_model("plan_models:missing")
+        load_model("model_factories:missing")
     with pytest.raises(ValueError, match="return a ModelBundle or a pair"):
-        load_model("plan_models:not_a_pair")
+        load_model("model_factories:not_a_pair")
 
 
 @pytest.mark.slow
 def test_cli_plan_writes_the_plan_and_the_plot(dense, cache, tmp_path, capsys):
     out, plot, report = tmp_path / "plan.yaml", tmp_path / "pareto.png", tmp_path / "plan.json"
-    args = ["plan", "--model", "plan_models:dense_long", "--budget", "80%", "--min-bytes", "0"]
+    args = ["plan", "--model", "model_factories:dense_long", "--budget", "80%", "--min-bytes", "0"]
     args += ["--repeats", "3", "--cache-dir", str(cache), "--out", str(out), "--plot", str(plot)]
     assert main([*args, "--json", str(report), "--quiet"]) == 0
     printed = capsys.readouterr().out
@@ -188,20 +190,20 @@ def test_cli_plan_writes_the_plan_and_the_plot(dense, cache, tmp_path, capsys):
 
 
 def test_cli_plan_below_the_minimum_states_it(dense, cache, capsys):
-    args = ["plan", "--model", "plan_models:dense_long", "--budget", "1MiB", "--min-bytes", "0"]
+    args = ["plan", "--model", "model_factories:dense_long", "--budget", "1MiB", "--min-bytes", "0"]
     assert main([*args, "--cache-dir", str(cache), "--no-run", "--plot", "", "--quiet"]) == 2
     assert "smallest predicted peak is" in capsys.readouterr().out
 
 
 def test_cli_plan_rejects_a_malformed_budget(dense, cache, capsys):
-    args = ["plan", "--model", "plan_models:dense_long", "--budget", "lots", "--min-bytes", "0"]
+    args = ["plan", "--model", "model_factories:dense_long", "--budget", "lots", "--min-bytes", "0"]
     assert main([*args, "--cache-dir", str(cache), "--no-run", "--plot", "", "--quiet"]) == 2
     assert "cannot read budget 'lots'" in capsys.readouterr().out
 
 
 @pytest.mark.slow
 def test_cli_profile_prints_the_candidates(dense, cache, capsys):
-    args = ["profile", "--model", "plan_models:dense_long", "--min-bytes", "0", "--cache-dir", str(cache)]
+    args = ["profile", "--model", "model_factories:dense_long", "--min-bytes", "0", "--cache-dir", str(cache)]
     assert main([*args, "--quiet"]) == 0
     printed = capsys.readouterr().out
     assert "cached" in printed and "matmuls+offload" in printed

@@ -53,6 +53,9 @@ class CheckpointState:
     owner: Any = None
     # How errors name this module, e.g. "layers.3 (DecoderLayer)".
     name: str | None = None
+    # Verification hook (``actplan verify``): called with "forward" or "recompute", it returns
+    # a context manager entered around each run of the layer's own forward.
+    observer: Callable[[str], Any] | None = None
 
 
 def _needs_grad(module: nn.Module, args: tuple, kwargs: dict) -> bool:
@@ -81,6 +84,13 @@ def _call_with_keywords(run: Callable[..., Any], names: tuple[str, ...], *flat: 
     return run(*flat[:split], **dict(zip(names, flat[split:], strict=True)))
 
 
+def _observed(observer: Callable[[str], Any], forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    # The replay runs inside the autograd engine, where a graph task is current.
+    phase = "recompute" if torch._C._current_graph_task_id() != -1 else "forward"
+    with observer(phase):
+        return forward(*args, **kwargs)
+
+
 def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     state: CheckpointState = getattr(self, _STATE_ATTR)
     inner = state.previous_forward
@@ -92,6 +102,8 @@ def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     # Frozen module with grad-free inputs (or no grad at all): nothing to replay.
     if not torch.is_grad_enabled() or not _needs_grad(self, args, kwargs):
         return inner(*args, **kwargs)
+    if state.observer is not None:
+        inner = functools.partial(_observed, state.observer, inner)
     options: dict[str, Any] = {
         "use_reentrant": False,
         "preserve_rng_state": state.preserve_rng_state,

@@ -10,6 +10,7 @@ for the presets and the planner's plans over a sweep of budgets.
 from __future__ import annotations
 
 import copy
+import textwrap
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -228,7 +229,7 @@ def write_pareto_plot(
         ax.axvline(requested["budget_bytes"] / 2**20, color="tab:red", linestyle=":", label="budget")
     ax.set_xlabel("peak memory of a training step (MiB)")
     ax.set_ylabel("step time / no checkpointing")
-    ax.set_title(title, fontsize=9)
+    ax.set_title(textwrap.fill(title, 100), fontsize=8)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

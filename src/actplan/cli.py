@@ -1,4 +1,5 @@
-"""The ``actplan`` command line: ``bench`` (the main job), ``profile``, ``plan``, ``explain`` and ``units``.
+"""The ``actplan`` command line: ``bench`` (the main job), ``profile``, ``plan``, ``verify``,
+``explain`` and ``units``.
 
 Top of the import picture: it may use everything, nothing imports it.
 """
@@ -355,6 +356,58 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _verify(args: argparse.Namespace, console: Console) -> int:
+    import json
+
+    from actplan.bench import _device
+    from actplan.models import load_model
+    from actplan.verify import verify
+
+    bundle = load_model(args.model, args.size)
+    with _progress_bar(console, args.quiet) as bar:
+        task = bar.add_task("verifying", total=None)
+        report = verify(
+            bundle,
+            args.config,
+            steps=args.steps,
+            device=_device(args.device),
+            atol=args.atol,
+            check_recompute=args.check_recompute,
+            progress=lambda label: bar.update(task, description=label),
+        )
+    table = Table(title=f"verify {args.config} on {report.model}")
+    for column in ("step", "loss (no checkpointing)", "loss (plan)", "max |Δgrad|", "grad census", "routing"):
+        table.add_column(column, justify="right")
+    for s in report.steps:
+        routing = "-" if not s.routing_decisions else ("match" if s.routing_match else "[red]DIFFERS[/]")
+        table.add_row(
+            str(s.step),
+            f"{s.loss_baseline:.8g}",
+            f"{s.loss_plan:.8g}" + ("" if s.loss_identical else " [red]≠[/]"),
+            f"{s.max_abs_grad_diff:.1e}",
+            "match" if s.census_match else "[red]MISMATCH[/]",
+            routing,
+        )
+    console.print(table)
+    if report.recompute_checked:
+        console.print(
+            f"recompute value check: {report.recompute_ops_compared} replayed ops compared with their "
+            f"forward values, {len(report.recompute_mismatches)} differ"
+        )
+    for problem in report.problems():
+        console.print(f"[red]✗[/] {problem}")
+    tolerance = "bit-identical" if report.atol == 0 else f"within {report.atol:g}"
+    if report.ok:
+        console.print(f"[green]PASS[/]: the plan changes no loss, gradient or routing decision ({tolerance})")
+    else:
+        console.print(f"[red]FAIL[/]: the plan changes the training step ({tolerance} required)")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report.to_dict(), indent=2) + "\n")
+        console.print(f"wrote {args.json}")
+    return 0 if report.ok else 1
+
+
 def _add_profile_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model", default="dense", help=f"built-in ({', '.join(MODELS)}) or package.module:factory"
@@ -375,7 +428,7 @@ def _add_profile_options(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="actplan", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="actplan", description=" ".join(__doc__.split("\n\n")[0].split()))
     sub = parser.add_subparsers(dest="command", required=True)
 
     bench = sub.add_parser("bench", help="measure every policy side by side on a reference model")
@@ -438,6 +491,26 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--plot", default="pareto.png", help="Pareto plot (PNG); '' for none")
     plan.add_argument("--no-run", action="store_true", help="solve and write only")
     plan.set_defaults(run=_plan)
+
+    check = sub.add_parser("verify", help="run a plan next to no checkpointing and compare every step")
+    check.add_argument(
+        "--model", default="dense", help=f"built-in ({', '.join(MODELS)}) or package.module:factory"
+    )
+    check.add_argument("--size", default="tiny", help="size of a built-in model (tiny, small)")
+    check.add_argument("--config", required=True, help="preset name or YAML/JSON file")
+    check.add_argument("--steps", type=int, default=3, help="optimizer steps to compare")
+    check.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    check.add_argument(
+        "--atol", type=float, default=0.0, help="tolerance for losses and gradients (0: bit-identical)"
+    )
+    check.add_argument(
+        "--check-recompute",
+        action="store_true",
+        help="also compare every replayed op with its forward value (keeps a copy of the layers' op outputs)",
+    )
+    check.add_argument("--json", metavar="PATH", help="write the report as JSON")
+    check.add_argument("--quiet", action="store_true", help="no progress display")
+    check.set_defaults(run=_verify)
 
     units = sub.add_parser("units", help="list the recompute units (all, or those a model declares)")
     units.add_argument("--model", choices=sorted(MODELS), help="only the units this model declares")

@@ -69,7 +69,8 @@ def _routing_ops() -> frozenset:
     return frozenset(ops)
 
 
-_ROUTING_OPS = _routing_ops()
+ROUTING_OPS = _routing_ops()
+"""Ops whose outputs are routing decisions (top-k, sorts, counts, ``.item()``)."""
 _UNINITIALIZED = frozenset({"empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided"})
 _TO_COPY = torch.ops.aten._to_copy.default
 
@@ -103,7 +104,7 @@ def _op_traits(func) -> _OpTraits:
         is_view=bool(getattr(func, "is_view", False)) or func is torch.ops.aten._unsafe_view.default,
         seeded=seeded,
         dropout_position=next((i for i, a in enumerate(arguments) if a.name == "dropout_p"), None),
-        always_saved=func in _ROUTING_OPS or getattr(func, "namespace", None) in _COLLECTIVE_NAMESPACES,
+        always_saved=func in ROUTING_OPS or getattr(func, "namespace", None) in _COLLECTIVE_NAMESPACES,
         is_to_copy=func is _TO_COPY,
         mutated=tuple(
             (position, argument.name)

@@ -1,0 +1,282 @@
+"""``actplan verify``: prove that a plan changes nothing but memory and speed.
+
+The model runs twice from the same weights, without checkpointing and under the plan,
+for a few optimizer steps on the same batches and seeds. Each step compares the loss,
+every parameter's gradient, the grad census (non-zero / zero / missing) and the routing
+decisions (outputs of top-k and sort ops in forward). Optionally the recompute itself is
+checked by value: every op the backward replays in a checkpointed layer is compared with
+the same op's output in that layer's forward (``torch.utils.checkpoint``'s own check
+compares shapes only, and is refused together with a selective policy).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.utils.checkpoint
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+import actplan
+from actplan.apply import find_layers
+from actplan.boundary import checkpoint_state
+from actplan.config import RecomputeConfig
+from actplan.measure import capture_step, compare_steps
+from actplan.models import ModelBundle
+from actplan.policy import ROUTING_OPS
+
+# Checkpointing itself runs these a different number of times in forward and replay.
+_UNMATCHED_OPS = frozenset(
+    getattr(torch.utils.checkpoint, "SAC_IGNORED_OPS", ()) or {torch.ops.aten.detach.default}
+)
+
+
+class _RoutingRecorder(TorchDispatchMode):
+    """Outputs of routing ops run in forward (not during backward), in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.decisions: list[torch.Tensor] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in ROUTING_OPS and torch._C._current_graph_task_id() == -1:
+            self.decisions.extend(t.detach().clone() for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+        return out
+
+    def as_extras(self) -> dict[str, torch.Tensor]:
+        return {f"routing[{i}]": t for i, t in enumerate(self.decisions)}
+
+
+@dataclass
+class RecomputeMismatch:
+    layer: str
+    op: str
+    index: int  # position of the op among the layer's forward ops
+    detail: str
+
+
+class _RecomputeChecker(TorchDispatchMode):
+    """Record each checkpointed layer's forward op outputs, then compare its replay.
+
+    The boundary's observer tells which layer runs and whether it is the forward or the
+    replay; ops served from the selective cache never reach this mode, so only replayed
+    ops are compared, each with the next forward op of the same kind.
+    """
+
+    def __init__(self, atol: float) -> None:
+        super().__init__()
+        self.atol = atol
+        self.current: tuple[str, str] | None = None
+        self.forward_ops: dict[str, list[tuple[Any, list[torch.Tensor]]]] = {}
+        self.cursor: dict[str, int] = {}
+        self.mismatches: list[RecomputeMismatch] = []
+        self.compared = 0
+
+    def observer(self, layer: str) -> Callable[[str], Any]:
+        @contextlib.contextmanager
+        def observe(phase: str) -> Iterator[None]:
+            previous = self.current
+            self.current = (layer, phase)
+            if phase == "forward":
+                self.forward_ops[layer] = []
+            else:
+                self.cursor[layer] = 0
+            try:
+                yield
+            finally:
+                self.current = previous
+
+        return observe
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self.current is None or func in _UNMATCHED_OPS:
+            return out
+        layer, phase = self.current
+        outputs = [t.detach().clone() for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        if phase == "forward":
+            self.forward_ops[layer].append((func, outputs))
+            return out
+        recorded = self.forward_ops.get(layer, [])
+        position = self.cursor.get(layer, 0)
+        while position < len(recorded) and recorded[position][0] is not func:
+            position += 1
+        if position == len(recorded):
+            self.mismatches.append(
+                RecomputeMismatch(
+                    layer, str(func), -1, "the replay ran an op the forward did not run at this point"
+                )
+            )
+            return out
+        self.cursor[layer] = position + 1
+        self.compared += 1
+        for original, again in zip(recorded[position][1], outputs, strict=False):
+            if original.shape != again.shape or original.dtype != again.dtype:
+                detail = (
+                    f"shape/dtype {tuple(original.shape)} {original.dtype} became "
+                    f"{tuple(again.shape)} {again.dtype}"
+                )
+            elif original.is_floating_point() or original.is_complex():
+                diff = (original - again).abs().max().item() if original.numel() else 0.0
+                if diff <= self.atol:
+                    continue
+                detail = f"values differ by up to {diff:.3e}"
+            elif torch.equal(original, again):
+                continue
+            else:
+                detail = "integer or boolean values differ"
+            self.mismatches.append(RecomputeMismatch(layer, str(func), position, detail))
+            break
+        return out
+
+
+@dataclass
+class StepVerdict:
+    step: int
+    loss_baseline: float
+    loss_plan: float
+    loss_identical: bool
+    max_abs_grad_diff: float
+    worst_param: str | None
+    grad_mismatches: list[str]
+    census_match: bool
+    census_diff: dict[str, list[str]]
+    routing_decisions: int
+    routing_match: bool
+    routing_mismatches: list[str]
+    ok: bool
+
+
+@dataclass
+class VerifyReport:
+    model: str
+    config: dict[str, Any]
+    steps: list[StepVerdict]
+    atol: float
+    recompute_checked: bool
+    recompute_ops_compared: int = 0
+    recompute_mismatches: list[RecomputeMismatch] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return all(s.ok for s in self.steps) and not self.recompute_mismatches
+
+    def problems(self) -> list[str]:
+        """One line per failure, naming the parameter, tensor or op."""
+        out = []
+        for s in self.steps:
+            if not s.loss_identical:
+                out.append(
+                    f"step {s.step}: loss {s.loss_plan!r} under the plan, {s.loss_baseline!r} without it"
+                )
+            for name in s.grad_mismatches:
+                out.append(
+                    f"step {s.step}: gradient of {name} differs (largest |diff| {s.max_abs_grad_diff:.3e})"
+                )
+            for category, names in s.census_diff.items():
+                for name in names:
+                    out.append(
+                        f"step {s.step}: parameter {name} has a {category} gradient under the plan only"
+                    )
+            for name in s.routing_mismatches:
+                out.append(f"step {s.step}: routing decision {name} differs (a different expert choice)")
+        for m in self.recompute_mismatches:
+            out.append(f"recompute of {m.layer}: op {m.op} (forward op #{m.index}): {m.detail}")
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["ok"] = self.ok
+        data["problems"] = self.problems()
+        return data
+
+
+def verify(
+    bundle: ModelBundle,
+    config: RecomputeConfig | dict | str,
+    *,
+    steps: int = 3,
+    device: torch.device | None = None,
+    atol: float = 0.0,
+    check_recompute: bool = False,
+    lr: float = 1e-3,
+    progress: Callable[[str], None] | None = None,
+) -> VerifyReport:
+    """Run ``bundle``'s model without checkpointing and under ``config`` side by side.
+
+    ``atol`` 0 demands bit-identical losses and gradients (fp32 eager on CPU); give a
+    tolerance for compiled or low-precision runs. ``check_recompute`` also compares every
+    replayed op with its forward value (it keeps a copy of each checkpointed layer's op
+    outputs for the step, so it needs that much extra memory).
+    """
+    if steps < 1:
+        raise ValueError(f"steps must be at least 1, got {steps}")
+    device = device or torch.device("cpu")
+    say = progress or (lambda label: None)
+    parsed = RecomputeConfig.parse(config)
+    baseline = copy.deepcopy(bundle.model).to(device)
+    candidate = copy.deepcopy(bundle.model).to(device)
+    actplan.apply(candidate, parsed)
+    checker = _RecomputeChecker(atol) if check_recompute else None
+    if checker is not None:
+        for name, layer in find_layers(candidate):
+            state = checkpoint_state(layer)
+            if state is not None:
+                state.observer = checker.observer(name or "<root>")
+    optimizers = {
+        id(model): torch.optim.AdamW(model.parameters(), lr=lr, foreach=False)
+        for model in (baseline, candidate)
+    }
+    verdicts = []
+    for step in range(steps):
+        batch = {
+            k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in bundle.make_batch(step).items()
+        }
+        captures = []
+        for model in (baseline, candidate):
+            torch.manual_seed(1000 + step)
+            routes = _RoutingRecorder()
+            watching = checker if (checker is not None and model is candidate) else contextlib.nullcontext()
+            with watching, routes:
+                out = model(**batch)
+                loss = out["loss"] if isinstance(out, dict) else out
+                del out
+                loss.backward()
+            captures.append(capture_step(model, loss, routes.as_extras()))
+            optimizer = optimizers[id(model)]
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        report = compare_steps(captures[0], captures[1], grad_atol=atol, loss_atol=atol)
+        verdicts.append(
+            StepVerdict(
+                step=step,
+                loss_baseline=float(captures[0].loss),
+                loss_plan=float(captures[1].loss),
+                loss_identical=report.loss_identical if atol == 0 else report.loss_abs_diff <= atol,
+                max_abs_grad_diff=report.max_abs_grad_diff,
+                worst_param=report.worst_param,
+                grad_mismatches=report.grad_mismatches,
+                census_match=report.census_match,
+                census_diff=report.census_diff,
+                routing_decisions=len(captures[0].extras),
+                routing_match=report.extras_match,
+                routing_mismatches=report.extras_mismatches,
+                ok=report.ok,
+            )
+        )
+        say(f"step {step + 1}/{steps}")
+    return VerifyReport(
+        model=bundle.description,
+        config=parsed.to_dict(),
+        steps=verdicts,
+        atol=atol,
+        recompute_checked=check_recompute,
+        recompute_ops_compared=checker.compared if checker else 0,
+        recompute_mismatches=checker.mismatches if checker else [],
+    )

@@ -18,6 +18,7 @@ from actplan.boundary import (
     remove_gradient_checkpointing,
 )
 from actplan.config import ConfigError, RecomputeConfig
+from actplan.integrations import hf
 from actplan.offload import OffloadEngine, apply_offload, is_offloaded, remove_offload
 from actplan.plan import LayerPlan, LayerSpec, Plan, format_indices, resolve_plan
 from actplan.policy import IntervalPolicy
@@ -28,9 +29,14 @@ _ENGINE_ATTR = "_actplan_offload_engine"
 
 
 def interval_map_of(module: nn.Module) -> RecomputeIntervalMap | None:
-    """The ``RecomputeIntervalMap`` a module declares, or ``None``."""
+    """The ``RecomputeIntervalMap`` a module declares (or, for a supported Hugging Face
+    decoder layer, the built-in one), or ``None``."""
     declared = getattr(module, "recompute_intervals", None)
-    return declared if isinstance(declared, RecomputeIntervalMap) else None
+    if isinstance(declared, RecomputeIntervalMap):
+        return declared
+    if type(module).__module__.startswith("transformers."):
+        return hf.known_interval_map(module)
+    return None
 
 
 def find_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -77,6 +83,9 @@ def apply(model: nn.Module, config: RecomputeConfig | dict[str, Any] | str | Pat
     """
     plan = plan_for(model, config)
     remove(model)
+    if hf.is_hf_model(model):
+        # Markers for transformers layers: hooks on their submodules.
+        hf.declare(model)
     layers = [
         (layer_plan, module) for layer_plan, (_, module) in zip(plan.layers, find_layers(model), strict=True)
     ]
@@ -170,4 +179,5 @@ def remove(model: nn.Module) -> int:
             removed += remove_gradient_checkpointing(module)
     model.__dict__.pop(_PLAN_ATTR, None)
     model.__dict__.pop(_ENGINE_ATTR, None)
+    hf.undeclare(model)
     return removed

@@ -337,7 +337,10 @@ class _Region:
                     f"{self.layer_name}: in-place op {func} modifies the output of {producer_op}, a "
                     "routing or collective op whose outputs are always saved (so recompute never "
                     "re-routes or re-communicates); backward would read a stale copy. Write that "
-                    "update out-of-place, e.g. `order = order + 1` instead of `order += 1`."
+                    "update out-of-place, e.g. `order = order + 1` instead of `order += 1`; or, for code "
+                    "you cannot change, set save_collectives: false and do not keep the unit it runs in "
+                    "(routing ops are then recomputed, exact when they are deterministic: check with "
+                    "actplan verify)."
                 )
             raise KeptTensorMutatedError(
                 f"{self.layer_name}: in-place op {func} modifies the output of {producer_op}, which "

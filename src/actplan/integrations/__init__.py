@@ -1,0 +1,1 @@
+"""Adapters for models actplan does not own (``hf``: Hugging Face ``transformers``)."""

@@ -103,3 +103,105 @@ def test_inductor_compiled_selective_layers_match_eager():
     pairs = zip(baseline.named_parameters(), compiled.named_parameters(), strict=True)
     for (name, p_base), (_, p_comp) in pairs:
         torch.testing.assert_close(p_comp.grad, p_base.grad, msg=name)
+
+
+# ---------------------------------------------------------------------------------------------
+# The plan takes effect inside the compiled graph
+
+
+def _eager_retained(layer, isolated, preset: str) -> int:
+    from actplan.measure import MemoryMeter
+
+    eager = copy.deepcopy(layer)
+    actplan.apply(eager, preset)
+    isolated.step(eager)
+    with MemoryMeter(eager) as meter:
+        figures = isolated.step(eager, meter)
+    return figures["retained"]
+
+
+def _compiled_saved(layer, isolated, preset: str, owner) -> int:
+    from actplan.measure import SavedTensorMeter
+
+    torch._dynamo.reset()
+    compiled = copy.deepcopy(layer)
+    actplan.apply(compiled, preset)
+    compiled.compile(fullgraph=True, backend="aot_eager")
+    isolated.step(compiled)  # compile first, outside the window
+    args, kwargs = isolated._inputs()
+    with SavedTensorMeter(owner) as meter:
+        compiled(*args, **kwargs)
+    return meter.saved_bytes
+
+
+@pytest.mark.parametrize("preset", ["full", "matmuls", {"mode": "selective", "keep": ["mlp_up"]}])
+def test_compiled_graph_saves_what_the_eager_plan_keeps(preset):
+    # Eager: the memory meter's retained bytes of the layer alone (what the plan leaves alive
+    # at the end of its forward). Compiled: the storages the compiled graph saves for
+    # backward. Same plan, same bytes: the policy shaped the compiled graph.
+    from actplan.profile import _capture_layer_inputs, _IsolatedLayer
+
+    bundle = build_model("dense", "tiny", n_layers=1, batch_size=8, seq_len=32)
+    (_, args, kwargs) = _capture_layer_inputs(bundle.model, bundle.make_batch(0))[0]
+    layer = find_layers(bundle.model)[0][1]
+    isolated = _IsolatedLayer(layer, args, kwargs, 0)
+    eager = _eager_retained(layer, isolated, preset)
+    compiled = _compiled_saved(layer, isolated, preset, bundle.model)
+    # The compiled graph also saves a few small tensors (RNG and mask state, about 5 KB).
+    assert abs(compiled - eager) <= max(0.02 * eager, 8192), (preset, eager, compiled)
+    if preset == "full":
+        none = _compiled_saved(layer, isolated, "none", bundle.model)
+        assert none > 10 * compiled
+
+
+def test_compiled_plan_gradients_within_the_compile_noise_floor():
+    # Compiling reorders floating-point work, so compiled and eager gradients differ a
+    # little even without checkpointing. That two-run difference is the noise floor; a plan
+    # compiled must not add to it beyond a small factor.
+    torch._dynamo.reset()
+    bundle = build_model("dense", "tiny", n_layers=2, dropout=0.0)
+    batch = bundle.make_batch(0)
+
+    def grads(config, compile_layers):
+        model = copy.deepcopy(bundle.model)
+        if config is not None:
+            actplan.apply(model, config)
+        if compile_layers:
+            for _, layer in find_layers(model):
+                layer.compile(fullgraph=True, backend="aot_eager")
+        loss = model(**batch)["loss"]
+        loss.backward()
+        return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+    eager_loss, eager = grads(None, False)
+    _, floor = grads(None, True)
+    noise = max((floor[n] - eager[n]).abs().max().item() for n in eager)
+    for config in ("full", "matmuls"):
+        loss, compiled = grads(config, True)
+        torch.testing.assert_close(loss, eager_loss, rtol=0, atol=1e-6)
+        worst = max((compiled[n] - eager[n]).abs().max().item() for n in eager)
+        assert worst <= 4 * noise + 1e-7, (config, worst, noise)
+
+
+def test_recompute_uses_the_graph_its_forward_ran_with():
+    # Two forwards with different shapes before either backward: the layer has two compiled
+    # graphs (the second call recompiles). Each backward must replay its own forward's graph.
+    torch._dynamo.reset()
+    bundle = build_model("dense", "tiny", n_layers=2)
+    short, long = bundle.make_batch(0), bundle.make_batch(1)
+    long = {k: torch.cat([v, v], dim=1) for k, v in long.items()}
+
+    def run(compile_layers):
+        model = copy.deepcopy(bundle.model)
+        actplan.apply(model, "matmuls")
+        if compile_layers:
+            for _, layer in find_layers(model):
+                layer.compile(fullgraph=True, backend="aot_eager", dynamic=False)
+        first = model(**short)["loss"]
+        second = model(**long)["loss"]
+        (first + second).backward()
+        return {n: p.grad for n, p in model.named_parameters()}
+
+    eager, compiled = run(False), run(True)
+    for name in eager:
+        torch.testing.assert_close(compiled[name], eager[name], rtol=1e-5, atol=1e-6, msg=name)

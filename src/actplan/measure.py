@@ -28,6 +28,7 @@ __all__ = [
     "OpCounter",
     "ParityReport",
     "RatioStats",
+    "SavedTensorMeter",
     "StepCapture",
     "TimingStats",
     "capture_step",
@@ -414,6 +415,52 @@ class MemoryMeter:
         if not self._active or self._tracker is None:
             raise RuntimeError(f"MemoryMeter.{what} used outside its window; use it inside `with meter:`")
         return self._tracker
+
+
+class SavedTensorMeter:
+    """Bytes of the distinct storages autograd saves for backward inside the window.
+
+    For compiled code, where a dispatch-mode meter sees nothing of what the compiled graph
+    allocates: a compiled region saves its activations through ``save_for_backward``, which
+    saved-tensor hooks see, and those are what a plan changes. Storages of ``model``'s
+    parameters and buffers (and parameters anywhere) are left out. In eager selective
+    checkpointing the cached outputs bypass these hooks (torch 2.13); use ``MemoryMeter``
+    there.
+    """
+
+    def __init__(self, model: nn.Module | None = None) -> None:
+        self.model = model
+        self.storages: dict[int, int] = {}
+        self._owned: set[int] = set()
+        self._hooks: Any = None
+
+    def __enter__(self) -> SavedTensorMeter:
+        if self.model is not None:
+            self._owned = {
+                t.untyped_storage()._cdata for t in (*self.model.parameters(), *self.model.buffers())
+            }
+        self.storages.clear()
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _identity)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._hooks.__exit__(*exc)
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        if not isinstance(tensor, nn.Parameter) and type(tensor) is torch.Tensor and not tensor.is_meta:
+            storage = tensor.untyped_storage()
+            if storage._cdata not in self._owned:
+                self.storages[storage._cdata] = storage.nbytes()
+        return tensor
+
+    @property
+    def saved_bytes(self) -> int:
+        return sum(self.storages.values())
+
+
+def _identity(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
 
 
 class OpCounter(TorchDispatchMode):

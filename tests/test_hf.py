@@ -176,3 +176,17 @@ def test_verify_passes_on_a_tiny_llama():
     bundle = ModelBundle("llama", "tiny", model, lambda seed: {"input_ids": IDS, "labels": IDS}, "tiny llama")
     report = verify(bundle, "matmuls", steps=2, check_recompute=True)
     assert report.ok, report.problems()
+
+
+def test_cli_verify_passes_on_the_reference_llama(capsys):
+    from actplan.cli import main
+
+    assert main(["verify", "--model", "hf-llama", "--config", "matmuls", "--steps", "2", "--quiet"]) == 0
+    assert "PASS" in capsys.readouterr().out
+
+
+def test_unknown_reference_kind_is_named():
+    from actplan.models import load_model
+
+    with pytest.raises(ValueError, match="kinds: llama, qwen2, qwen3, qwen3-moe"):
+        load_model("hf-gpt9", "tiny")

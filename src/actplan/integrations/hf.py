@@ -194,3 +194,54 @@ def known_interval_map(module: nn.Module) -> RecomputeIntervalMap | None:
     if layout is None or not type(module).__module__.startswith("transformers."):
         return None
     return interval_map_for(module, layout)
+
+
+# ---------------------------------------------------------------------------------------------
+# Small random-weight models of the supported architectures (tests, verify, bench)
+
+_REFERENCE_SHAPES = {
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=128, max_position_embeddings=64),
+    "small": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
+                  num_key_value_heads=2, vocab_size=4096, max_position_embeddings=1024),
+}  # fmt: skip
+_BATCH = {"tiny": (2, 16), "small": (2, 256)}
+REFERENCE_KINDS = ("llama", "qwen2", "qwen3", "qwen3-moe")
+
+
+def reference_model(kind: str, size: str = "tiny") -> tuple[nn.Module, Any]:
+    """A randomly initialised ``transformers`` model of ``kind`` and a batch maker: what
+    ``--model hf-<kind>`` runs. Needs ``transformers`` (``pip install actplan[hf]``)."""
+    if kind not in REFERENCE_KINDS or size not in _REFERENCE_SHAPES:
+        raise ValueError(
+            f"unknown Hugging Face reference model hf-{kind} ({size}); kinds: {', '.join(REFERENCE_KINDS)}, "
+            f"sizes: {', '.join(_REFERENCE_SHAPES)}"
+        )
+    try:
+        import torch
+        import transformers
+    except ImportError:
+        raise ValueError("hf-* models need transformers: pip install 'actplan[hf]'") from None
+    shapes = {**_REFERENCE_SHAPES[size], "use_cache": False}
+    torch.manual_seed(0)
+    if kind == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**shapes))
+    elif kind == "qwen2":
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**shapes))
+    elif kind == "qwen3":
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**shapes, head_dim=16))
+    else:
+        config = transformers.Qwen3MoeConfig(
+            **shapes, head_dim=16, num_experts=4, num_experts_per_tok=2,
+            moe_intermediate_size=shapes["intermediate_size"] // 4, mlp_only_layers=[0],
+        )  # fmt: skip
+        model = transformers.Qwen3MoeForCausalLM(config)
+    rows, seq = _BATCH[size]
+    vocab = shapes["vocab_size"]
+
+    def make_batch(seed: int) -> dict[str, Any]:
+        gen = torch.Generator().manual_seed(seed)
+        ids = torch.randint(0, vocab, (rows, seq + 1), generator=gen)
+        return {"input_ids": ids[:, :-1].contiguous(), "labels": ids[:, :-1].contiguous()}
+
+    return model.train(), make_batch

@@ -72,7 +72,8 @@ def build_model(name: str = "dense", size: str = "small", **overrides) -> ModelB
 
 
 def load_model(spec: str, size: str = "small") -> ModelBundle:
-    """A built-in model by name, or a user model given as ``package.module:factory``.
+    """A built-in model by name, ``hf-<kind>`` (a random-weight ``transformers`` model of a
+    supported architecture), or a user model given as ``package.module:factory``.
 
     The module is imported with the working directory on ``sys.path``. The factory is called
     with no arguments and returns either a ``ModelBundle`` or a pair
@@ -83,10 +84,15 @@ def load_model(spec: str, size: str = "small") -> ModelBundle:
     """
     if spec in MODELS:
         return build_model(spec, size)
+    if spec.startswith("hf-"):
+        from actplan.integrations.hf import reference_model
+
+        model, make_batch = reference_model(spec[3:], size)
+        return ModelBundle(spec, size, model, make_batch, f"{spec} {size} (transformers, random weights)")
     if ":" not in spec:
         raise ValueError(
-            f"unknown model {spec!r}: give a built-in name ({', '.join(MODELS)}) or a factory as "
-            "'package.module:function'"
+            f"unknown model {spec!r}: give a built-in name ({', '.join(MODELS)}), a Hugging Face "
+            "reference (hf-llama, hf-qwen2, hf-qwen3, hf-qwen3-moe) or a factory as 'package.module:function'"
         )
     module_name, _, attribute = spec.partition(":")
     # As `python -m` does: modules in the working directory are importable.

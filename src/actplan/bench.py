@@ -35,7 +35,7 @@ from actplan.measure import (
     interleaved_timing,
     ratio,
 )
-from actplan.models import ModelBundle, build_model
+from actplan.models import ModelBundle, build_model, load_model
 from actplan.policy import IntervalPolicy
 from actplan.units import MarkerInterval, RecomputeIntervalMap
 
@@ -243,7 +243,7 @@ def run_bench(
         bundle = build_model(model, size, ep_group=dist.group.WORLD)
         reference = False
     else:
-        bundle = build_model(model, size)
+        bundle = load_model(model, size)
     batch = {k: v.to(dev) for k, v in bundle.make_batch(rank).items()}
     entries: list[tuple[str, RecomputeConfig | None]] = [("none", RecomputeConfig.from_preset("none"))]
     entries += [(p, _policy_config(p)) for p in policies if p != "none"]

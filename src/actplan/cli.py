@@ -164,9 +164,9 @@ def bench_table(result: BenchResult) -> Table:
 
 def _explain(args: argparse.Namespace, console: Console) -> int:
     from actplan.apply import plan_for
-    from actplan.models import build_model
+    from actplan.models import load_model
 
-    bundle = build_model(args.model, args.size)
+    bundle = load_model(args.model, args.size)
     plan = plan_for(bundle.model, args.config)
     caption = plan.summary()
     offload = plan.config.offload
@@ -197,12 +197,12 @@ def _explain(args: argparse.Namespace, console: Console) -> int:
 
 def _units(args: argparse.Namespace, console: Console) -> int:
     from actplan.apply import layer_specs
-    from actplan.models import build_model
+    from actplan.models import load_model
     from actplan.units import UNIT_DESCRIPTIONS, RecomputeUnit
 
     declared: dict[RecomputeUnit, list[str]] = {}
     if args.model:
-        for spec in layer_specs(build_model(args.model, "tiny").model):
+        for spec in layer_specs(load_model(args.model, "tiny").model):
             for unit in spec.interval_map.units:
                 classes = declared.setdefault(unit, [])
                 if spec.class_name not in classes:
@@ -408,10 +408,13 @@ def _verify(args: argparse.Namespace, console: Console) -> int:
     return 0 if report.ok else 1
 
 
+MODEL_HELP = (
+    f"built-in ({', '.join(MODELS)}), hf-llama|hf-qwen2|hf-qwen3|hf-qwen3-moe, or package.module:factory"
+)
+
+
 def _add_profile_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--model", default="dense", help=f"built-in ({', '.join(MODELS)}) or package.module:factory"
-    )
+    parser.add_argument("--model", default="dense", help=MODEL_HELP)
     parser.add_argument("--size", default="small", help="size of a built-in model (tiny, small)")
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
     parser.add_argument("--repeats", type=int, default=5, help="timed rounds per measurement")
@@ -432,7 +435,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     bench = sub.add_parser("bench", help="measure every policy side by side on a reference model")
-    bench.add_argument("--model", default="dense", choices=sorted(MODELS))
+    bench.add_argument(
+        "--model",
+        default="dense",
+        help=MODEL_HELP,
+    )
     bench.add_argument("--size", default="small", help="model size preset (tiny, small)")
     bench.add_argument(
         "--policies",
@@ -471,7 +478,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.set_defaults(run=_bench)
 
     explain = sub.add_parser("explain", help="print the per-layer plan a config resolves to")
-    explain.add_argument("--model", default="dense", choices=sorted(MODELS))
+    explain.add_argument(
+        "--model",
+        default="dense",
+        help=MODEL_HELP,
+    )
     explain.add_argument("--size", default="small")
     explain.add_argument("--config", required=True, help="preset name or YAML/JSON file")
     explain.set_defaults(run=_explain)
@@ -493,9 +504,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.set_defaults(run=_plan)
 
     check = sub.add_parser("verify", help="run a plan next to no checkpointing and compare every step")
-    check.add_argument(
-        "--model", default="dense", help=f"built-in ({', '.join(MODELS)}) or package.module:factory"
-    )
+    check.add_argument("--model", default="dense", help=MODEL_HELP)
     check.add_argument("--size", default="tiny", help="size of a built-in model (tiny, small)")
     check.add_argument("--config", required=True, help="preset name or YAML/JSON file")
     check.add_argument("--steps", type=int, default=3, help="optimizer steps to compare")
@@ -513,7 +522,7 @@ def build_parser() -> argparse.ArgumentParser:
     check.set_defaults(run=_verify)
 
     units = sub.add_parser("units", help="list the recompute units (all, or those a model declares)")
-    units.add_argument("--model", choices=sorted(MODELS), help="only the units this model declares")
+    units.add_argument("--model", help="only the units this model declares (any --model form)")
     units.set_defaults(run=_units)
     return parser
 

@@ -190,3 +190,12 @@ def test_unknown_reference_kind_is_named():
 
     with pytest.raises(ValueError, match="kinds: llama, qwen2, qwen3, qwen3-moe"):
         load_model("hf-gpt9", "tiny")
+
+
+def test_bench_runs_the_reference_llama():
+    from actplan.bench import run_bench
+
+    result = run_bench("hf-llama", "tiny", ("none", "full", "matmuls"), repeats=1, warmup=0, reference=False)
+    assert all(row.parity_ok for row in result.rows)
+    rows = {row.name: row for row in result.rows}
+    assert rows["full"].activation_bytes < rows["none"].activation_bytes

@@ -33,6 +33,7 @@ import torch
 import actplan
 from actplan.measure import MemoryMeter, interleaved_timing
 from actplan.models import build_model
+from actplan.profile import copy_bandwidth
 
 
 def configs(min_bytes: str) -> dict[str, Any]:
@@ -67,26 +68,6 @@ SIZES: dict[str, dict[str, tuple[str, dict[str, Any]]]] = {
     },
     "tiny": {"dense": ("tiny", {}), "moe": ("tiny", {})},
 }  # fmt: skip
-
-
-def copy_bandwidth(device: torch.device, nbytes: int, repeats: int = 5) -> dict[str, float]:
-    """Best-of-``repeats`` bytes per second, pinned host <-> device, each direction."""
-    pin = device.type == "cuda"
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
-    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    out = {}
-    for label, (dst, src) in {"device_to_host": (host, dev), "host_to_device": (dev, host)}.items():
-        best = float("inf")
-        for _ in range(repeats + 1):
-            if pin:
-                torch.cuda.synchronize(device)
-            start = time.perf_counter()
-            dst.copy_(src, non_blocking=pin)
-            if pin:
-                torch.cuda.synchronize(device)
-            best = min(best, time.perf_counter() - start)
-        out[label] = nbytes / best
-    return out
 
 
 def _step(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[float, float]:
@@ -189,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
-    bandwidth = copy_bandwidth(device, (1 << 30) if args.size == "gpu" else (1 << 20))
+    bandwidth = copy_bandwidth(device, (1 << 30) if args.size == "gpu" else (1 << 20), repeats=5)
     print(
         f"copy bandwidth: device->host {bandwidth['device_to_host'] / 1e9:.1f} GB/s, "
         f"host->device {bandwidth['host_to_device'] / 1e9:.1f} GB/s",

@@ -91,14 +91,23 @@ def _observed(observer: Callable[[str], Any], forward: Callable[..., Any], *args
         return forward(*args, **kwargs)
 
 
+def inner_forward(module: nn.Module, previous: Callable[..., Any] | None) -> Callable[..., Any]:
+    """The forward an instance-level wrapper calls: the instance forward it replaced, if
+    any, else the class's (shared by the checkpoint and offload wrappers)."""
+    return previous if previous is not None else functools.partial(type(module).forward, module)
+
+
+def restore_forward(module: nn.Module, previous: Callable[..., Any] | None) -> None:
+    """Put back what an instance-level wrapper replaced: ``previous``, or the class forward."""
+    if previous is None:
+        del module.forward
+    else:
+        module.forward = previous
+
+
 def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     state: CheckpointState = getattr(self, _STATE_ATTR)
-    inner = state.previous_forward
-    if inner is None:
-
-        def inner(*args: Any, **kwargs: Any) -> Any:
-            return type(self).forward(self, *args, **kwargs)
-
+    inner = inner_forward(self, state.previous_forward)
     # Frozen module with grad-free inputs (or no grad at all): nothing to replay.
     if not torch.is_grad_enabled() or not _needs_grad(self, args, kwargs):
         return inner(*args, **kwargs)
@@ -207,8 +216,5 @@ def remove_gradient_checkpointing(module: nn.Module) -> bool:
     state = module.__dict__.pop(_STATE_ATTR, None)
     if state is None:
         return False
-    if state.previous_forward is None:
-        del module.forward
-    else:
-        module.forward = state.previous_forward
+    restore_forward(module, state.previous_forward)
     return True

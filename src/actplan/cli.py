@@ -232,6 +232,7 @@ def _progress_bar(console: Console, quiet: bool) -> Progress:
 
 
 def _profile_inputs(args: argparse.Namespace):
+    """The model, the device and the profiling options (shared by ``profile`` and ``plan``)."""
     import torch
 
     from actplan.bench import _device
@@ -239,9 +240,15 @@ def _profile_inputs(args: argparse.Namespace):
     from actplan.sizes import parse_bytes
 
     bundle = load_model(args.model, args.size)
-    bandwidth = None if args.bandwidth is None else float(parse_bytes(args.bandwidth))
     device: torch.device = _device(args.device)
-    return bundle, device, parse_bytes(args.min_bytes), bandwidth
+    options = {
+        "cache_dir": Path(args.cache_dir) if args.cache_dir else None,
+        "refresh": args.refresh,
+        "repeats": args.repeats,
+        "min_bytes": parse_bytes(args.min_bytes),
+        "bandwidth": None if args.bandwidth is None else float(parse_bytes(args.bandwidth)),
+    }
+    return bundle, device, options
 
 
 def profile_table(profile) -> Table:
@@ -267,19 +274,11 @@ def profile_table(profile) -> Table:
 def _profile(args: argparse.Namespace, console: Console) -> int:
     from actplan.budget import get_profile
 
-    bundle, device, min_bytes, bandwidth = _profile_inputs(args)
+    bundle, device, options = _profile_inputs(args)
     with _progress_bar(console, args.quiet) as bar:
         task = bar.add_task("profiling", total=None)
         profile, cached = get_profile(
-            bundle,
-            args.model,
-            device,
-            cache_dir=Path(args.cache_dir) if args.cache_dir else None,
-            refresh=args.refresh,
-            repeats=args.repeats,
-            min_bytes=min_bytes,
-            bandwidth=bandwidth,
-            progress=lambda label: bar.update(task, description=label),
+            bundle, args.model, device, **options, progress=lambda label: bar.update(task, description=label)
         )
     console.print(profile_table(profile))
     console.print(
@@ -301,7 +300,7 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
 
     from actplan.budget import plan_under_budget
 
-    bundle, device, min_bytes, bandwidth = _profile_inputs(args)
+    bundle, device, options = _profile_inputs(args)
     with _progress_bar(console, args.quiet) as bar:
         task = bar.add_task("profiling", total=None)
         result = plan_under_budget(
@@ -312,11 +311,7 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
             out=args.out,
             plot=args.plot or None,
             run=not args.no_run,
-            cache_dir=Path(args.cache_dir) if args.cache_dir else None,
-            refresh=args.refresh,
-            repeats=args.repeats,
-            min_bytes=min_bytes,
-            bandwidth=bandwidth,
+            **options,
             progress=lambda label: bar.update(task, description=label),
         )
     solution = result.solution

@@ -14,7 +14,8 @@ and prefetches the groups that ran just before it in forward. Storages are moved
 however many views or layers save them. On CUDA, copies run on their own streams and
 every hand-off between streams is guarded by an event; elsewhere the same code runs with
 synchronous copies into a separate host pool, so everything except overlap is testable
-on a CPU. Imports: ``markers`` (for the marker sink) and ``sizes``, plus torch.
+on a CPU. Imports: ``markers`` (for the marker sink), ``sizes``, and ``boundary`` for the
+instance-forward helpers both layer wrappers share; plus torch.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import _VersionWrapper
 
+from actplan.boundary import inner_forward, restore_forward
 from actplan.markers import routing_markers
 from actplan.sizes import DEFAULT_HOST_CAP_BYTES, DEFAULT_OFFLOAD_MIN_BYTES
 
@@ -759,12 +761,7 @@ class _OpenUnits:
 
 def _offloaded_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     state: OffloadState = getattr(self, _STATE_ATTR)
-    inner = state.previous_forward
-    if inner is None:
-
-        def inner(*args: Any, **kwargs: Any) -> Any:
-            return type(self).forward(self, *args, **kwargs)
-
+    inner = inner_forward(self, state.previous_forward)
     if not torch.is_grad_enabled():
         return inner(*args, **kwargs)
     if torch.compiler.is_compiling():
@@ -848,8 +845,5 @@ def remove_offload(module: nn.Module) -> bool:
     state = module.__dict__.pop(_STATE_ATTR, None)
     if state is None:
         return False
-    if state.previous_forward is None:
-        del module.forward
-    else:
-        module.forward = state.previous_forward
+    restore_forward(module, state.previous_forward)
     return True

@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.actplan-installed
 
-.PHONY: demo test lint bench setup clean
+.PHONY: demo test lint bench peers setup clean
 
 setup: $(STAMP)
 
@@ -27,6 +27,9 @@ test: lint
 
 bench: $(STAMP)
 	$(VENV)/bin/actplan bench --json bench/results/bench_dense_small.json --markdown bench/results/bench_dense_small.md
+
+peers: $(STAMP)
+	$(PY) -m bench.peers
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

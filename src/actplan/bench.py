@@ -120,13 +120,17 @@ def _gather_per_rank_memory(rows: list[PolicyRow]) -> None:
         row.per_rank_memory = [tuple(rank_rows[position]) for rank_rows in everyone]
 
 
-def _torch_checkpoint_every_layer(model: nn.Module) -> None:
-    """What most trainers do: non-reentrant ``torch.utils.checkpoint`` per layer."""
+def checkpoint_every_layer(model: nn.Module, **checkpoint_kwargs: Any) -> None:
+    """Wrap every layer in non-reentrant ``torch.utils.checkpoint``, without actplan.
+
+    With no keyword arguments this is what most trainers do; ``checkpoint_kwargs`` (a
+    ``context_fn``, ``preserve_rng_state``) make the op-level variants the peers bench uses.
+    """
     for _, layer in find_layers(model):
         forward = layer.forward
 
         def wrapped(*args, _forward=forward, **kwargs):
-            return checkpoint(_forward, *args, use_reentrant=False, **kwargs)
+            return checkpoint(_forward, *args, use_reentrant=False, **checkpoint_kwargs, **kwargs)
 
         layer.forward = wrapped
 
@@ -135,30 +139,120 @@ def _loss_of(output: Any) -> torch.Tensor:
     return output["loss"] if isinstance(output, dict) else output
 
 
+Installer = Callable[[nn.Module], str]
+"""Installs one way of checkpointing on a fresh copy of the model and describes it."""
+
+
+def config_installer(config: RecomputeConfig) -> Installer:
+    """The installer of an actplan config: ``apply``, described by the plan's summary."""
+    return lambda model: apply(model, config).summary()
+
+
+def torch_checkpoint_installer(model: nn.Module) -> str:
+    checkpoint_every_layer(model)
+    return "torch.utils.checkpoint(use_reentrant=False) per layer, no actplan"
+
+
 @dataclass
-class _Contender:
+class Contender:
+    """One bench row: its own copy of the model and optimizer, and what one metered step saw."""
+
     name: str
     description: str
     model: nn.Module
     optimizer: torch.optim.Optimizer
+    capture: StepCapture | None = None
+    activation_bytes: int = 0
+    peak_bytes: int = 0
+    cuda_max_allocated_bytes: int | None = None
+    param_bytes: int = 0
+    # Offloading rows: host-tier peak, bytes moved out and back over the metered step.
+    moved: tuple[int, int, int] | None = None
 
 
-def _prepare(
-    bundle: ModelBundle, name: str, config: RecomputeConfig | None, device: torch.device
-) -> _Contender:
+def prepare_contender(
+    bundle: ModelBundle,
+    name: str,
+    install: Installer,
+    batch: dict[str, torch.Tensor],
+    device: torch.device,
+) -> Contender:
+    """Copy the model, install ``install`` on it, run the parity step and one metered step."""
     model = copy.deepcopy(bundle.model).to(device)
-    if name == TORCH_CHECKPOINT:
-        _torch_checkpoint_every_layer(model)
-        description = "torch.utils.checkpoint(use_reentrant=False) per layer, no actplan"
-    else:
-        plan = apply(model, config)
-        description = plan.summary()
+    description = install(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
-    return _Contender(name, description, model, optimizer)
+    contender = Contender(name, description, model, optimizer)
+    # Step 0 builds the optimizer state, so step 1 is metered with it resident.
+    contender.capture = _train_step(contender, batch, seed=0, capture=True)
+    engine = offload_engine(model)
+    if engine is not None:
+        engine.reset_stats()
+    with MemoryMeter(model, optimizer) as meter:
+        _train_step(contender, batch, seed=1, meter=meter)
+    report = meter.report()
+    if engine is not None:
+        stats = engine.snapshot()
+        contender.moved = (stats.host_peak_bytes, stats.bytes_offloaded, stats.bytes_reloaded)
+    contender.activation_bytes = report.marks["forward_end"].activation_bytes
+    contender.peak_bytes = report.peak_bytes
+    contender.cuda_max_allocated_bytes = report.cuda_max_allocated_bytes
+    contender.param_bytes = report.param_bytes
+    return contender
+
+
+def time_contenders(
+    contenders: list[Contender],
+    batch: dict[str, torch.Tensor],
+    *,
+    repeats: int,
+    warmup: int,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, TimingStats]:
+    """Training-step times of every contender, interleaved (see ``interleaved_timing``)."""
+    return interleaved_timing(
+        {c.name: (lambda c=c: _train_step(c, batch, seed=2)) for c in contenders},
+        repeats=repeats,
+        warmup=warmup,
+        progress=progress,
+    )
+
+
+def policy_rows(contenders: list[Contender], timings: dict[str, TimingStats]) -> list[PolicyRow]:
+    """One row per contender: parity against the row named ``none``, memory, time ratio."""
+    baseline = next(c for c in contenders if c.name == "none").capture
+    rows = []
+    for contender in contenders:
+        parity = compare_steps(baseline, contender.capture)
+        stats = timings[contender.name]
+        rel = ratio(stats, timings["none"])
+        host_peak, offloaded, reloaded = contender.moved or (None, None, None)
+        rows.append(
+            PolicyRow(
+                name=contender.name,
+                description=contender.description,
+                loss=float(contender.capture.loss),
+                loss_identical=parity.loss_identical,
+                max_abs_grad_diff=parity.max_abs_grad_diff,
+                census_match=parity.census_match,
+                parity_ok=parity.ok,
+                activation_bytes=contender.activation_bytes,
+                peak_bytes=contender.peak_bytes,
+                cuda_max_allocated_bytes=contender.cuda_max_allocated_bytes,
+                step_median_s=stats.median,
+                step_q25_s=stats.q25,
+                step_q75_s=stats.q75,
+                ratio_to_none=rel.median,
+                ratio_spread=rel.spread,
+                host_peak_bytes=host_peak,
+                offloaded_bytes=offloaded,
+                reloaded_bytes=reloaded,
+            )
+        )
+    return rows
 
 
 def _train_step(
-    contender: _Contender,
+    contender: Contender,
     batch: dict[str, torch.Tensor],
     seed: int,
     *,
@@ -196,7 +290,7 @@ def measure_marker_cost(calls: int = 100_000) -> dict[str, float]:
     return out
 
 
-def _policy_config(name: str) -> RecomputeConfig:
+def policy_config(name: str) -> RecomputeConfig:
     if name in OFFLOAD_VARIANTS:
         return RecomputeConfig.from_dict(OFFLOAD_VARIANTS[name], source=f"bench row {name!r}")
     return RecomputeConfig.parse(name)
@@ -245,11 +339,11 @@ def run_bench(
     else:
         bundle = load_model(model, size)
     batch = {k: v.to(dev) for k, v in bundle.make_batch(rank).items()}
-    entries: list[tuple[str, RecomputeConfig | None]] = [("none", RecomputeConfig.from_preset("none"))]
-    entries += [(p, _policy_config(p)) for p in policies if p != "none"]
-    entries += [(Path(c).stem, RecomputeConfig.from_file(c)) for c in configs]
+    entries: list[tuple[str, Installer]] = [("none", config_installer(RecomputeConfig.from_preset("none")))]
+    entries += [(p, config_installer(policy_config(p))) for p in policies if p != "none"]
+    entries += [(Path(c).stem, config_installer(RecomputeConfig.from_file(c))) for c in configs]
     if reference:
-        entries.append((TORCH_CHECKPOINT, None))
+        entries.append((TORCH_CHECKPOINT, torch_checkpoint_installer))
     names = [name for name, _ in entries]
     repeated = sorted({name for name in names if names.count(name) > 1})
     if repeated:
@@ -263,69 +357,18 @@ def run_bench(
     tick = progress or (lambda label, total: None)
 
     contenders = []
-    captures: dict[str, StepCapture] = {}
-    memory: dict[str, tuple[int, int, int | None]] = {}
-    moved: dict[str, tuple[int, int, int]] = {}
-    param_bytes = 0
-    for name, config in entries:
-        contender = _prepare(bundle, name, config, dev)
-        contenders.append(contender)
-        # Step 0 builds the optimizer state, so step 1 is metered with it resident.
-        captures[name] = _train_step(contender, batch, seed=0, capture=True)
+    for name, install in entries:
+        contenders.append(prepare_contender(bundle, name, install, batch, dev))
         tick(f"parity {name}", total)
-        engine = offload_engine(contender.model)
-        if engine is not None:
-            engine.reset_stats()
-        with MemoryMeter(contender.model, contender.optimizer) as meter:
-            _train_step(contender, batch, seed=1, meter=meter)
-        report = meter.report()
-        if engine is not None:
-            stats = engine.snapshot()
-            moved[name] = (stats.host_peak_bytes, stats.bytes_offloaded, stats.bytes_reloaded)
-        memory[name] = (
-            report.marks["forward_end"].activation_bytes,
-            report.peak_bytes,
-            report.cuda_max_allocated_bytes,
-        )
-        param_bytes = report.param_bytes
         tick(f"memory {name}", total)
-
-    timings = interleaved_timing(
-        {c.name: (lambda c=c: _train_step(c, batch, seed=2)) for c in contenders},
+    timings = time_contenders(
+        contenders,
+        batch,
         repeats=repeats,
         warmup=warmup,
         progress=lambda label: tick(f"timing {label}", total),
     )
-    baseline = captures["none"]
-    rows = []
-    for contender in contenders:
-        parity = compare_steps(baseline, captures[contender.name])
-        stats = timings[contender.name]
-        rel = ratio(stats, timings["none"])
-        act, peak, cuda_peak = memory[contender.name]
-        host_peak, offloaded, reloaded = moved.get(contender.name, (None, None, None))
-        rows.append(
-            PolicyRow(
-                name=contender.name,
-                description=contender.description,
-                loss=float(captures[contender.name].loss),
-                loss_identical=parity.loss_identical,
-                max_abs_grad_diff=parity.max_abs_grad_diff,
-                census_match=parity.census_match,
-                parity_ok=parity.ok,
-                activation_bytes=act,
-                peak_bytes=peak,
-                cuda_max_allocated_bytes=cuda_peak,
-                step_median_s=stats.median,
-                step_q25_s=stats.q25,
-                step_q75_s=stats.q75,
-                ratio_to_none=rel.median,
-                ratio_spread=rel.spread,
-                host_peak_bytes=host_peak,
-                offloaded_bytes=offloaded,
-                reloaded_bytes=reloaded,
-            )
-        )
+    rows = policy_rows(contenders, timings)
     if ep > 1:
         _gather_per_rank_memory(rows)
     overhead = None
@@ -357,13 +400,13 @@ def run_bench(
         model=bundle.description,
         device=str(dev),
         torch_version=torch.__version__,
-        machine=_machine(),
+        machine=machine_summary(),
         command=command or " ".join(["actplan", *sys.argv[1:]]),
         started=time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         repeats=repeats,
         warmup=warmup,
         floor_bytes=bundle.activation_floor_bytes(batch),
-        param_bytes=param_bytes,
+        param_bytes=contenders[0].param_bytes,
         rows=rows,
         overhead_vs_torch_checkpoint=overhead,
         marker_cost_ns=measure_marker_cost(),
@@ -372,7 +415,7 @@ def run_bench(
     return result
 
 
-def _machine() -> str:
+def machine_summary() -> str:
     threads = torch.get_num_threads()
     gpu = f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
     return f"{platform.machine()}, {threads} torch threads, python {platform.python_version()}{gpu}"

@@ -71,7 +71,7 @@ def _routing_ops() -> frozenset:
 
 ROUTING_OPS = _routing_ops()
 """Ops whose outputs are routing decisions (top-k, sorts, counts, ``.item()``)."""
-_UNINITIALIZED = frozenset({"empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided"})
+UNINITIALIZED_OPS = frozenset({"empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided"})
 _TO_COPY = torch.ops.aten._to_copy.default
 
 
@@ -111,7 +111,7 @@ def _op_traits(func) -> _OpTraits:
             for position, argument in enumerate(arguments)
             if argument.alias_info is not None and argument.alias_info.is_write
         ),
-        uninitialized=getattr(func, "_opname", "") in _UNINITIALIZED,
+        uninitialized=getattr(func, "_opname", "") in UNINITIALIZED_OPS,
     )
     _TRAITS[id(func)] = traits
     return traits

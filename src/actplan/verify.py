@@ -28,7 +28,7 @@ from actplan.boundary import checkpoint_state
 from actplan.config import RecomputeConfig
 from actplan.measure import capture_step, compare_steps
 from actplan.models import ModelBundle
-from actplan.policy import ROUTING_OPS
+from actplan.policy import ROUTING_OPS, UNINITIALIZED_OPS
 
 # Checkpointing itself runs these a different number of times in forward and replay.
 _UNMATCHED_OPS = frozenset(
@@ -97,6 +97,9 @@ class _RecomputeChecker(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if self.current is None or func in _UNMATCHED_OPS:
+            return out
+        if getattr(func, "_opname", "") in UNINITIALIZED_OPS:
+            # Uninitialised memory differs between runs; the ops that fill it are compared.
             return out
         layer, phase = self.current
         outputs = [t.detach().clone() for t in tree_leaves(out) if isinstance(t, torch.Tensor)]

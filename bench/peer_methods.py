@@ -1,0 +1,264 @@
+"""The peers actplan is compared with, installed on a copy of a reference model.
+
+Each ``*_installer(model) -> description`` wraps every decoder layer the way a user of
+that tool would, so ``bench.peers`` can run it next to actplan's rows on the same data:
+
+- whole-layer ``torch.utils.checkpoint`` (what Hugging Face and most trainers do) comes
+  from ``actplan.bench``;
+- op-level selective checkpointing with torchtitan's default save list, written here
+  from its documented behaviour (save compute-heavy ops and collectives, and every
+  other matmul);
+- op-level selective checkpointing that saves every matmul and attention kernel: the
+  same save set as actplan's ``matmuls`` preset, but chosen by op type;
+- ``torch_remat`` with save regions that match actplan's ``attn`` and ``matmuls``
+  presets. torch_remat regions live in model source, so the annotated forwards below
+  are what a torch_remat user would write into the dense and MoE blocks.
+
+Sits on top of ``actplan`` and its reference models; nothing in ``actplan`` imports it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from functools import partial
+from types import MethodType
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from actplan.apply import find_layers
+from actplan.bench import checkpoint_every_layer
+from actplan.models.dense import Attention, SwiGLU, apply_rope, dropout
+from actplan.models.moe import MoE
+
+aten = torch.ops.aten
+_c10d = torch.ops._c10d_functional
+
+
+def _existing(names: Iterable[tuple[Any, str]]) -> frozenset:
+    """The op overloads among ``names`` that this torch build has."""
+    return frozenset(getattr(ns, name).default for ns, name in names if hasattr(ns, name))
+
+
+ATTENTION_KERNELS = _existing(
+    (aten, name)
+    for name in (
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_fused_attention_overrideable",
+    )
+)
+"""Fused attention kernels, CPU's included (torchtitan lists the GPU ones; on a CPU run the
+CPU kernel stands in for them, or the comparison would recompute attention on one side only)."""
+
+TITAN_SAVE_OPS = ATTENTION_KERNELS | _existing(
+    [(_c10d, "reduce_scatter_tensor"), (_c10d, "all_to_all_single"), (aten, "max")]
+)
+"""Non-matmul ops torchtitan's op-level policy always saves: attention kernels, the
+reduce-scatter and all-to-all collectives, and ``max`` (float8 scaling)."""
+
+
+def _titan_policy() -> Callable[..., CheckpointPolicy]:
+    """torchtitan's documented op-level rule, fresh for each layer forward: save the ops in
+    ``TITAN_SAVE_OPS`` and the 1st, 3rd, 5th, ... matmul; recompute everything else."""
+    matmuls_seen = 0
+
+    def policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
+        nonlocal matmuls_seen
+        if func is aten.mm.default:
+            matmuls_seen += 1
+            return CheckpointPolicy.MUST_SAVE if matmuls_seen % 2 else CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE if func in TITAN_SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
+
+
+def _every_matmul_policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
+    if func is aten.mm.default or func in TITAN_SAVE_OPS:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def titan_op_sac_installer(model: nn.Module) -> str:
+    checkpoint_every_layer(
+        model,
+        context_fn=lambda: create_selective_checkpoint_contexts(_titan_policy()),
+        preserve_rng_state=False,
+    )
+    return "op-level SAC, torchtitan's default save list (attention, collectives, every other mm)"
+
+
+def op_sac_matmuls_installer(model: nn.Module) -> str:
+    checkpoint_every_layer(
+        model,
+        context_fn=lambda: create_selective_checkpoint_contexts(_every_matmul_policy),
+        preserve_rng_state=False,
+    )
+    return "op-level SAC saving every mm and attention kernel (actplan matmuls' save set, by op type)"
+
+
+# -- torch_remat ------------------------------------------------------------------------------
+
+REMAT_PRESETS: dict[str, frozenset[str]] = {
+    "full": frozenset(),
+    "attn": frozenset({"attn_core"}),
+    "matmuls": frozenset(
+        {"qkv_proj", "attn_core", "attn_proj", "mlp_up", "moe_router", "moe_experts", "shared_experts"}
+    ),
+}
+"""Units each torch_remat row saves with ``region(..., recompute=False)``: actplan's presets."""
+
+
+def _saved(remat: Any, keep: frozenset[str], unit: str, name: str, function: Callable) -> Callable:
+    """``function`` as a torch_remat save region when ``unit`` is kept; else left to recompute."""
+    return remat.region(function, name, recompute=False) if unit in keep else function
+
+
+# torch_remat replays the whole layer, so code outside a region that reads a save region's
+# output needs that output kept: ``recompute_needs_tensor`` sits before each such reader
+# (it does nothing when the producer is not a save region).
+
+
+def _remat_attention(self: Attention, hidden_states, freqs_cis, *, remat, keep):
+    cfg = self.config
+    batch, seq, _ = hidden_states.shape
+    x = self.attn_norm(hidden_states)
+    q = _saved(remat, keep, "qkv_proj", "q_proj", self.q_proj)(x)
+    k = _saved(remat, keep, "qkv_proj", "k_proj", self.k_proj)(x)
+    v = _saved(remat, keep, "qkv_proj", "v_proj", self.v_proj)(x)
+    q = q.view(batch, seq, cfg.n_heads, cfg.head_dim)
+    k = k.view(batch, seq, cfg.n_kv_heads, cfg.head_dim)
+    v = v.view(batch, seq, cfg.n_kv_heads, cfg.head_dim)
+    remat.recompute_needs_tensor(q, k)
+    q, k = self.q_norm(q), self.k_norm(k)
+    q, k = apply_rope(q, freqs_cis), apply_rope(k, freqs_cis)
+    if "attn_core" not in keep:
+        remat.recompute_needs_tensor(v)
+    attn = _saved(remat, keep, "attn_core", "attn_core", F.scaled_dot_product_attention)(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
+    )
+    if "attn_proj" not in keep:
+        remat.recompute_needs_tensor(attn)
+
+    def project(attn):
+        return self.o_proj(attn.transpose(1, 2).reshape(batch, seq, -1))
+
+    attn_out = _saved(remat, keep, "attn_proj", "o_proj", project)(attn)
+    remat.recompute_needs_tensor(attn_out)
+    return hidden_states + dropout(attn_out, cfg.dropout, self.training)
+
+
+def _remat_swiglu(self: SwiGLU, hidden_states, *, remat, keep):
+    x = self.mlp_norm(hidden_states)
+    gate, up = _saved(remat, keep, "mlp_up", "gate_up", lambda x: (self.gate_proj(x), self.up_proj(x)))(x)
+    remat.recompute_needs_tensor(gate, up)
+    mlp_out = dropout(self.down_proj(F.silu(gate) * up), self.config.dropout, self.training)
+    return hidden_states + mlp_out
+
+
+def _remat_moe(self: MoE, hidden_states, *, remat, keep):
+    cfg = self.config
+    batch, seq, dim = hidden_states.shape
+    x = self.mlp_norm(hidden_states).reshape(batch * seq, dim)
+    routed = _saved(remat, keep, "moe_router", "router", self.route)(x)
+    remat.recompute_needs_tensor(*routed)
+    expert_ids, weights, counts, aux_loss = routed
+    order = expert_ids.flatten().argsort(stable=True)
+    token_of_slot = order // cfg.top_k
+    rows, local_counts, exchange = self._dispatch(x[token_of_slot], counts)
+    chunks = rows.split(local_counts)
+    experts = self.experts
+    n = len(chunks)
+
+    def gate_up(*chunks):
+        return tuple(c @ experts.w_gate[e] for e, c in enumerate(chunks)) + tuple(
+            c @ experts.w_up[e] for e, c in enumerate(chunks)
+        )
+
+    def down(*acts):
+        return tuple(a @ experts.w_down[e] for e, a in enumerate(acts))
+
+    gates_ups = _saved(remat, keep, "moe_experts", "experts_gate_up", gate_up)(*chunks)
+    remat.recompute_needs_tensor(*gates_ups)
+    acts = [F.silu(g) * u for g, u in zip(gates_ups[:n], gates_ups[n:], strict=True)]
+    outs = _saved(remat, keep, "moe_experts", "experts_down", down)(*acts)
+    remat.recompute_needs_tensor(*outs)
+    expert_out = self._return(torch.cat(outs), exchange)
+    slot_weights = weights.flatten()[order].unsqueeze(-1)
+    combined = torch.zeros_like(x).index_add(0, token_of_slot, expert_out * slot_weights)
+    if self.shared is not None:
+        s = self.shared
+
+        def shared(x):
+            return s["down_proj"](F.silu(s["gate_proj"](x)) * s["up_proj"](x))
+
+        shared_out = _saved(remat, keep, "shared_experts", "shared_experts", shared)(x)
+        remat.recompute_needs_tensor(shared_out)
+        combined = combined + shared_out
+    return hidden_states + combined.view(batch, seq, dim), aux_loss, expert_ids
+
+
+_REMAT_FORWARDS = {Attention: _remat_attention, SwiGLU: _remat_swiglu, MoE: _remat_moe}
+
+
+def _remat_checkpoint(remat: Any, name: str, forward: Callable) -> Callable:
+    """A layer forward under ``remat.checkpoint``. torch_remat wants a tensor or a flat tuple
+    out, so the layer's dict output is flattened inside and rebuilt outside."""
+    keys: list[str] = []
+
+    def flat(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        keys[:] = list(out)
+        return tuple(out.values())
+
+    def wrapped(*args, **kwargs):
+        values = remat.checkpoint(region_name=name)(flat)(*args, **kwargs)
+        return dict(zip(keys, values, strict=True))
+
+    return wrapped
+
+
+def remat_installer(preset: str) -> Callable[[nn.Module], str]:
+    """Installs ``torch_remat`` per layer with the save regions of actplan's ``preset``."""
+    keep = REMAT_PRESETS[preset]
+
+    def install(model: nn.Module) -> str:
+        remat = import_remat()
+        for name, layer in find_layers(model):
+            for module in layer.modules():
+                annotated = _REMAT_FORWARDS.get(type(module))
+                if annotated is not None:
+                    module.forward = MethodType(partial(annotated, remat=remat, keep=keep), module)
+            layer.forward = _remat_checkpoint(remat, name, layer.forward)
+        saved = ", ".join(sorted(keep)) or "nothing"
+        return f"torch_remat {remat_version()} per layer; save regions: {saved}"
+
+    return install
+
+
+def import_remat() -> Any:
+    """``torch_remat``, with the one private torch hook it needs supplied if torch lacks it.
+
+    torch_remat 0.2.x marks the storage of a skipped region's stand-in output with
+    ``torch._C._set_storage_data_ptr_access_error_msg`` so that reading it raises a clear
+    message. The CPU build of torch 2.13.0 has no such hook, and every save region then
+    fails in backward. The hook only sets that message, so the bench supplies one that
+    does nothing: a correct program never reads a stand-in, and the rows' gradient parity
+    against no checkpointing checks that none was read.
+    """
+    import torch_remat
+
+    if not hasattr(torch._C, "_set_storage_data_ptr_access_error_msg"):
+        torch._C._set_storage_data_ptr_access_error_msg = lambda storage, message: None
+    return torch_remat
+
+
+def remat_version() -> str:
+    from importlib.metadata import version
+
+    return version("torch_remat")

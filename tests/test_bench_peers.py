@@ -1,0 +1,173 @@
+"""The peers bench: the peer adapters are exact and equivalent to what they claim, the
+comparison picks the right rows, and the whole bench runs and reports at tiny size."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch.utils.checkpoint import CheckpointPolicy
+
+from actplan.bench import PolicyRow, config_installer, policy_rows, prepare_contender, time_contenders
+from actplan.config import RecomputeConfig
+from actplan.models import build_model
+from bench import peers
+from bench.peer_methods import _titan_policy, op_sac_matmuls_installer, remat_installer
+
+aten = torch.ops.aten
+
+
+def test_titan_policy_saves_every_other_matmul_and_the_attention_kernel():
+    policy = _titan_policy()
+    decisions = [policy(None, aten.mm.default) for _ in range(4)]
+    assert decisions == [CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_RECOMPUTE] * 2
+    attention = aten._scaled_dot_product_flash_attention_for_cpu.default
+    assert policy(None, attention) == CheckpointPolicy.MUST_SAVE
+    assert policy(None, aten.add.Tensor) == CheckpointPolicy.PREFER_RECOMPUTE
+    # A fresh policy per layer forward: the count starts again.
+    assert _titan_policy()(None, aten.mm.default) == CheckpointPolicy.MUST_SAVE
+
+
+def _rows(model: str, entries):
+    bundle = build_model(model, "tiny")
+    batch = bundle.make_batch(0)
+    cpu = torch.device("cpu")
+    none = config_installer(RecomputeConfig.from_preset("none"))
+    contenders = [
+        prepare_contender(bundle, name, install, batch, cpu) for name, install in [("none", none), *entries]
+    ]
+    return {
+        r.name: r for r in policy_rows(contenders, time_contenders(contenders, batch, repeats=1, warmup=0))
+    }
+
+
+@pytest.mark.slow
+def test_peer_rows_are_exact_and_remat_regions_match_the_presets():
+    entries = [
+        ("remat-attn", remat_installer("attn")),
+        ("remat-matmuls", remat_installer("matmuls")),
+        ("op-sac-matmuls", op_sac_matmuls_installer),
+        ("attn", config_installer(RecomputeConfig.from_preset("attn"))),
+        ("matmuls", config_installer(RecomputeConfig.from_preset("matmuls"))),
+    ]
+    rows = _rows("dense", entries)
+    for row in rows.values():
+        assert row.loss_identical and row.census_match and row.max_abs_grad_diff == 0.0, row.name
+    # The torch_remat regions keep exactly what actplan's presets keep on the dense layer.
+    assert rows["remat-attn"].activation_bytes == rows["attn"].activation_bytes
+    assert rows["remat-matmuls"].activation_bytes == rows["matmuls"].activation_bytes
+    # Saving by op type also caches the down projection, which backward never reads.
+    assert rows["op-sac-matmuls"].activation_bytes > rows["matmuls"].activation_bytes
+
+
+@pytest.mark.slow
+def test_megatron_choices_skip_units_a_layer_lacks():
+    rows = _rows("moe", [("megatron[layernorm,moe_act]", peers.megatron_installer(("layernorm", "moe_act")))])
+    row = rows["megatron[layernorm,moe_act]"]
+    assert row.parity_ok
+    assert "moe_act" in row.description and row.activation_bytes < rows["none"].activation_bytes
+
+
+def _row(
+    name: str, peak: int, ratio: float, *, activations: int = 0, offloaded: int | None = None
+) -> PolicyRow:
+    return PolicyRow(
+        name=name,
+        description="",
+        loss=0.0,
+        loss_identical=True,
+        max_abs_grad_diff=0.0,
+        census_match=True,
+        parity_ok=True,
+        activation_bytes=activations,
+        peak_bytes=peak,
+        cuda_max_allocated_bytes=None,
+        step_median_s=ratio,
+        step_q25_s=ratio,
+        step_q75_s=ratio,
+        ratio_to_none=ratio,
+        ratio_spread=0.0,
+        offloaded_bytes=offloaded,
+    )
+
+
+def test_compare_picks_the_fastest_row_within_the_peer_memory():
+    rows = [
+        _row("none", 1000, 1.0),
+        _row("peer", 500, 1.30),
+        _row("fits", 502, 1.20),  # within 0.5%
+        _row("faster-but-bigger", 520, 1.05),
+        _row("offloads", 400, 1.10, offloaded=100),
+        _row("slow", 300, 1.40),
+    ]
+    kinds = {"none": "baseline", "peer": "peer", "fits": "preset", "faster-but-bigger": "plan"}
+    kinds |= {"offloads": "plan", "slow": "preset"}
+    (entry,) = peers.compare(rows, kinds, "peak_bytes")
+    assert entry["best"]["name"] == "offloads"
+    assert entry["best"]["overhead_cut"] == pytest.approx(1 - 0.10 / 0.30)
+    assert entry["best_recompute_only"]["name"] == "fits"
+    goals = peers.evaluate_goals([entry])
+    assert goals[0]["met"]
+
+
+def test_compare_reports_a_peer_nothing_beats():
+    rows = [_row("none", 1000, 1.0), _row("torch-checkpoint", 300, 1.2), _row("full", 300, 1.25)]
+    kinds = {"none": "baseline", "torch-checkpoint": "peer", "full": "preset"}
+    (entry,) = peers.compare(rows, kinds, "peak_bytes")
+    assert not entry["best"]["at_least_as_fast"]
+    goals = peers.evaluate_goals([entry])
+    assert [g["met"] for g in goals] == [False, False]
+
+
+@pytest.mark.slow
+def test_peers_bench_runs_end_to_end(tmp_path):
+    code = peers.main(
+        [
+            "--models",
+            "dense,moe",
+            "--size",
+            "tiny",
+            "--repeats",
+            "1",
+            "--warmup",
+            "0",
+            "--overhead-repeats",
+            "2",
+            "--out",
+            str(tmp_path),
+            "--cache-dir",
+            str(tmp_path / "cache"),
+        ]
+    )
+    assert code == 0
+    for model in ("dense", "moe"):
+        out = json.loads((tmp_path / f"peers_{model}_tiny.json").read_text())
+        names = {r["name"] for r in out["rows"]}
+        assert {
+            "none",
+            "torch-checkpoint",
+            "titan-op-sac",
+            "remat-full",
+            "remat-attn",
+            "remat-matmuls",
+        } <= names
+        assert all(r["parity_ok"] for r in out["rows"])
+        peer_names = {r["name"] for r in out["rows"] if r["kind"] == "peer"}
+        assert {c["peer"] for c in out["at_same_peak"]} == peer_names
+        for c in out["at_same_peak"]:
+            if c["best"] is not None:
+                assert c["best"]["bytes"] <= c["peer_bytes"] * (1 + peers.SAME_MEMORY)
+        assert out["plans"], "the planner found no plan at any peer's peak"
+        for plan in out["plans"]:
+            assert plan["predicted_peak_bytes"] <= plan["budget_bytes"] * (1 + 1e-6)
+        assert {p["peer"] for p in out["cpu_overhead"]["pairs"]} >= {"remat-attn", "torch-checkpoint"}
+        report = (tmp_path / f"peers_{model}_tiny.md").read_text()
+        assert "## CPU-side overhead per checkpointed layer" in report and "## Goals" in report
+        assert (tmp_path / f"peers_{model}_tiny.png").stat().st_size > 10_000
+
+
+def test_unknown_model_is_an_error(capsys):
+    with pytest.raises(SystemExit):
+        peers.main(["--models", "sparse"])
+    assert "--models takes dense, moe" in capsys.readouterr().err

@@ -65,8 +65,14 @@ def test_peer_rows_are_exact_and_remat_regions_match_the_presets():
 def test_megatron_choices_skip_units_a_layer_lacks():
     rows = _rows("moe", [("megatron[layernorm,moe_act]", peers.megatron_installer(("layernorm", "moe_act")))])
     row = rows["megatron[layernorm,moe_act]"]
-    assert row.parity_ok
-    assert "moe_act" in row.description and row.activation_bytes < rows["none"].activation_bytes
+    assert row.parity_ok and row.activation_bytes < rows["none"].activation_bytes
+    # The dense first layer recomputes only its norms; the MoE layers also their activation.
+    layer_lines = [line for line in row.description.splitlines()[1:] if "keep" in line]
+    dense = [line for line in layer_lines if "layers 0:" in line]
+    moe = [line for line in layer_lines if "layers 0:" not in line]
+    assert dense and "mlp_act" in dense[0] and "attn_norm" not in dense[0]
+    assert moe and all("moe_experts" in line and "moe_act" not in line for line in moe)
+    assert all("mlp_norm" not in line for line in layer_lines)
 
 
 def _row(

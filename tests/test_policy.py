@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext
 
-from actplan import policy as policy_module
+from actplan import region as region_module
 from actplan.boundary import apply_gradient_checkpointing
 from actplan.markers import MARKER_OP, checkpoint_record
 from actplan.measure import OpCounter
@@ -174,7 +174,7 @@ def test_random_and_view_ops_replay_even_when_kept():
 
 def test_recompute_calls_replay_forward_decisions(monkeypatch):
     # torch < 2.13 asks the policy again during recompute; answers must match.
-    monkeypatch.setattr(policy_module, "_POLICY_CALLED_ON_RECOMPUTE", True)
+    monkeypatch.setattr(region_module, "_POLICY_CALLED_ON_RECOMPUTE", True)
     region = _Region(IntervalPolicy(IMAP, IMAP.intervals_of(["qkv_proj"]), layer_name="L"))
     fwd = SelectiveCheckpointContext(is_recompute=False)
     aten = torch.ops.aten
@@ -218,30 +218,58 @@ class NormThenProj(nn.Module):
         return y.sum()
 
 
-def test_in_place_change_of_a_kept_tensor_is_a_clear_error():
+@pytest.mark.parametrize("keep", [["qkv_proj"], ["attn_norm"], ["attn_norm", "qkv_proj"]])
+def test_keeping_a_norm_that_adds_eps_in_place_is_exact(keep):
+    # Nothing reads the mean F.rms_norm writes its epsilon into once the norm is done, so
+    # keeping the norm holds what backward reads and never the mutated temporary.
     layer = NormThenProj()
     x = torch.randn(4, 8, requires_grad=True)
     layer(x).backward()
-    expected = x.grad.clone()
+    expected = [x.grad.clone(), *(p.grad.clone() for p in layer.parameters())]
     x.grad = None
-    pol = IntervalPolicy(
-        NormThenProj.recompute_intervals,
-        NormThenProj.recompute_intervals.intervals_of(["qkv_proj"]),
-        layer_name="layers.0 (NormThenProj)",
-    )
-    apply_gradient_checkpointing(layer, policy=pol)
-    layer(x).backward()  # the norm is recomputed: its in-place add touches nothing saved
-    assert torch.equal(x.grad, expected)
-
-    kept_norm = NormThenProj()
+    layer.zero_grad(set_to_none=True)
     imap = NormThenProj.recompute_intervals
-    pol = IntervalPolicy(imap, imap.intervals_of(["attn_norm"]), layer_name="layers.0 (NormThenProj)")
-    apply_gradient_checkpointing(kept_norm, policy=pol)
-    with pytest.raises(
-        KeptTensorMutatedError, match=r"layers.0 \(NormThenProj\): in-place op aten.add_"
-    ) as err:
-        kept_norm(x)
-    assert "unit 'attn_norm'" in str(err.value) and "out-of-place" in str(err.value)
+    apply_gradient_checkpointing(layer, policy=IntervalPolicy(imap, imap.intervals_of(keep), layer_name="L"))
+    with OpCounter() as counter:
+        layer(x).backward()
+    got = [x.grad, *(p.grad for p in layer.parameters())]
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+    rsqrt = torch.ops.aten.rsqrt.default
+    assert counter[rsqrt] == (1 if "attn_norm" in keep else 2)
+
+
+class MutatesHeld(nn.Module):
+    recompute_intervals = RecomputeIntervalMap({"qkv_proj": MarkerInterval("a", "b")})
+
+    def __init__(self, inside: bool):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.inside = inside
+
+    def forward(self, x):
+        checkpoint_record("a")
+        h = self.lin(x)
+        if self.inside:
+            h.add_(1.0)
+        checkpoint_record("b")
+        y = torch.tanh(h)  # recomputed: reads h in the replay
+        if not self.inside:
+            h.mul_(3.0)
+        return (y * h).sum()
+
+
+@pytest.mark.parametrize("inside", [True, False])
+def test_in_place_change_of_a_held_tensor_is_a_clear_error(inside):
+    layer = MutatesHeld(inside)
+    imap = MutatesHeld.recompute_intervals
+    pol = IntervalPolicy(imap, imap.intervals_of(["qkv_proj"]), layer_name="L")
+    apply_gradient_checkpointing(layer, policy=pol, name="layers.0 (MutatesHeld)")
+    x = torch.randn(4, 8, requires_grad=True)
+    with pytest.raises(KeptTensorMutatedError, match=r"layers.0 \(MutatesHeld\)") as err:
+        layer(x).backward()
+    assert "unit 'qkv_proj'" in str(err.value) and "out-of-place" in str(err.value)
+    if inside:  # seen in forward, where the in-place op is named
+        assert "in-place op aten.add_" in str(err.value)
 
 
 class InPlaceInsideKept(nn.Module):

@@ -6,8 +6,8 @@ bookkeeping. It reaches saved tensors two ways:
 * autograd's ``saved_tensors_hooks``, installed around a layer by ``apply_offload``: the
   input a checkpointed layer saves (``layer_input``) and, in a layer that is not
   checkpointed, whatever autograd saves while an offloaded unit's interval is open;
-* the selective-checkpoint cache of a checkpointed layer (``sac_contexts``): outputs of
-  kept units, which bypass enclosing saved-tensor hooks on the torch versions we support.
+* the outputs a checkpointed layer's kept units hold (``scoped.ScopedRegion`` hands them
+  over when the layer's forward ends, in the group ``current_group`` names).
 
 Each wrapped layer call is a *group*. In backward, the first use of a group reloads it
 and prefetches the groups that ran just before it in forward. Storages are moved once,
@@ -34,7 +34,6 @@ from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_leaves
-from torch.utils.checkpoint import _VersionWrapper
 
 from actplan.boundary import inner_forward, restore_forward
 from actplan.markers import routing_markers
@@ -641,86 +640,19 @@ class OffloadEngine:
 
         return torch.autograd.graph.saved_tensors_hooks(pack, _unpack)
 
-    def sac_contexts(
-        self, contexts: tuple[Any, Any], saved_order: dict[Any, list[Any]], offloaded: frozenset
-    ) -> tuple[Any, Any]:
-        """Wrap selective-checkpoint contexts so kept outputs in ``offloaded`` intervals move out
-        when the layer's forward ends and come back when its recompute begins.
-
-        ``saved_order[func]`` lists, in order, the interval under which each saved output of
-        ``func`` was kept (``None`` for routing/collective outputs); it lines up with the
-        cache's entries for ``func``. Called inside the layer's offload wrapper, whose group
-        the moved tensors join.
-        """
+    def current_group(self, layer_name: str) -> _Group:
+        """The group of the layer call running now (set by its offload wrapper)."""
         group = getattr(self._local, "group", None)
         if group is None:
             raise RuntimeError(
-                "a selective layer with offloaded units ran outside its offload wrapper; install "
-                "plans with actplan.apply, which wraps both"
+                f"{layer_name}: a selective layer with offloaded units ran outside its offload "
+                "wrapper; install plans with actplan.apply, which wraps both"
             )
-        forward_mode, recompute_mode = contexts
-        stashed: list[tuple[_VersionWrapper, _Handle]] = []
-
-        def stash() -> None:
-            storage = forward_mode.storage
-            for func, intervals in saved_order.items():
-                entries = storage.get(func)
-                if entries is None:
-                    continue
-                saved = [
-                    e
-                    for e in (entries.values() if isinstance(entries, dict) else entries)
-                    if any(isinstance(leaf, _VersionWrapper) for leaf in tree_leaves(e))
-                ]
-                for entry, interval in zip(saved, intervals, strict=False):
-                    if interval not in offloaded:
-                        continue
-                    for wrapper in tree_leaves(entry):
-                        if not isinstance(wrapper, _VersionWrapper) or not isinstance(
-                            wrapper.val, torch.Tensor
-                        ):
-                            continue
-                        with _disable_current_modes():
-                            handle = self.offload(wrapper.val, group)
-                        if isinstance(handle, _Handle):
-                            stashed.append((wrapper, handle))
-                            wrapper.val = None
-            saved_order.clear()
-
-        def restore() -> None:
-            for wrapper, handle in stashed:
-                value = handle.materialize()
-                wrapper.val = value
-                wrapper.version = value._version
-            stashed.clear()
-
-        return _AroundContext(forward_mode, after=stash), _AroundContext(recompute_mode, before=restore)
+        return group
 
 
 def _unpack(saved: Any) -> Any:
     return saved.materialize() if isinstance(saved, _Handle) else saved
-
-
-class _AroundContext:
-    """A context manager that runs ``before`` on entry and ``after`` on exit of ``inner``."""
-
-    __slots__ = ("after", "before", "inner")
-
-    def __init__(
-        self, inner: Any, *, before: Callable[[], None] | None = None, after: Callable[[], None] | None = None
-    ) -> None:
-        self.inner, self.before, self.after = inner, before, after
-
-    def __enter__(self) -> Any:
-        if self.before is not None:
-            self.before()
-        return self.inner.__enter__()
-
-    def __exit__(self, *exc: Any) -> Any:
-        result = self.inner.__exit__(*exc)
-        if self.after is not None and exc[0] is None:
-            self.after()
-        return result
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,133 @@
+"""What the selective engine needs to know about an aten op, worked out once per op.
+
+A leaf module (torch only): both the traced policy (``region``) and the eager
+scoped engine (``scoped``) classify ops with it, so neither imports the other.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+_COLLECTIVE_NAMESPACES = frozenset({"_c10d_functional", "c10d_functional", "_c10d_functional_autograd"})
+
+
+def _routing_ops() -> frozenset:
+    aten = torch.ops.aten
+    names = [
+        ("topk", "default"),
+        ("sort", "default"),
+        ("sort", "stable"),
+        ("argsort", "default"),
+        ("argsort", "stable"),
+        ("nonzero", "default"),
+        ("bincount", "default"),
+        ("histc", "default"),
+        ("_local_scalar_dense", "default"),
+        ("unique_consecutive", "default"),
+        ("_unique2", "default"),
+    ]
+    ops = set()
+    for packet, overload in names:
+        op = getattr(getattr(aten, packet, None), overload, None)
+        if op is not None:
+            ops.add(op)
+    return frozenset(ops)
+
+
+ROUTING_OPS = _routing_ops()
+"""Ops whose outputs are routing decisions (top-k, sorts, counts, ``.item()``)."""
+UNINITIALIZED_OPS = frozenset({"empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided"})
+_TO_COPY = torch.ops.aten._to_copy.default
+
+
+class OpTraits(NamedTuple):
+    """What the policy needs to know about an op, worked out once per op."""
+
+    is_view: bool
+    seeded: bool  # may draw random numbers
+    dropout_position: int | None  # where its dropout_p argument sits, if it has one
+    always_saved: bool  # collective or routing op
+    is_to_copy: bool  # may be a device-to-host copy
+    mutated: tuple[tuple[int, str], ...]  # (position, name) of arguments written in place
+    uninitialized: bool  # returns uninitialised memory (empty, empty_like, ...)
+
+
+# Keyed by id(): ops are process-lived singletons, and OpOverload.__hash__ runs in
+# Python, which a per-op policy cannot afford several times per op.
+_TRAITS: dict[int, OpTraits] = {}
+
+
+def op_traits(func) -> OpTraits:
+    traits = _TRAITS.get(id(func))
+    if traits is not None:
+        return traits
+    schema = getattr(func, "_schema", None)
+    arguments = schema.arguments if schema is not None else ()
+    seeded = torch.Tag.nondeterministic_seeded in getattr(func, "tags", ())
+    traits = OpTraits(
+        # _unsafe_view aliases its input but its schema does not say so.
+        is_view=bool(getattr(func, "is_view", False)) or func is torch.ops.aten._unsafe_view.default,
+        seeded=seeded,
+        dropout_position=next((i for i, a in enumerate(arguments) if a.name == "dropout_p"), None),
+        always_saved=func in ROUTING_OPS or getattr(func, "namespace", None) in _COLLECTIVE_NAMESPACES,
+        is_to_copy=func is _TO_COPY,
+        mutated=tuple(
+            (position, argument.name)
+            for position, argument in enumerate(arguments)
+            if argument.alias_info is not None and argument.alias_info.is_write
+        ),
+        uninitialized=getattr(func, "_opname", "") in UNINITIALIZED_OPS,
+    )
+    _TRAITS[id(func)] = traits
+    return traits
+
+
+def draws_random(traits: OpTraits, args, kwargs) -> bool:
+    if not traits.seeded or traits.dropout_position is None:
+        return traits.seeded
+    # Attention kernels are tagged random but draw only when dropout_p > 0.
+    if "dropout_p" in kwargs:
+        return kwargs["dropout_p"] != 0
+    position = traits.dropout_position
+    return position < len(args) and args[position] != 0
+
+
+def is_device_to_host(args, kwargs) -> bool:
+    device = kwargs.get("device")
+    if device is None or torch.device(device).type != "cpu":
+        return False
+    source = args[0] if args else None
+    return isinstance(source, torch.Tensor) and source.device.type != "cpu"
+
+
+def always_replayed(traits: OpTraits, args, kwargs) -> bool:
+    """Views, in-place and ``out=`` ops, uninitialised allocations and random draws: never
+    cached. A view is free and a cached one would pin its base; a cached in-place result
+    would alias a tensor later ops change; a cached random op would leave the generator
+    behind in the replay, shifting every later draw."""
+    return (
+        traits.is_view
+        or bool(traits.mutated)
+        or traits.uninitialized
+        or (traits.seeded and draws_random(traits, args, kwargs))
+    )
+
+
+def always_saved(traits: OpTraits, args, kwargs) -> bool:
+    """Routing decisions, collectives and device-to-host copies: saved under every plan."""
+    return traits.always_saved or (traits.is_to_copy and is_device_to_host(args, kwargs))
+
+
+def _ignored_ops() -> frozenset:
+    # Ops checkpoint itself issues a different number of times in forward and replay.
+    try:
+        from torch.utils.checkpoint import SAC_IGNORED_OPS
+    except ImportError:  # older torch
+        return frozenset({torch.ops.aten.detach.default})
+    return frozenset(SAC_IGNORED_OPS)
+
+
+IGNORED_OPS = _ignored_ops()
+"""Ops neither cached nor counted: ``torch.utils.checkpoint`` adds them itself."""

@@ -1,0 +1,576 @@
+"""The eager engine: keep means "hold what backward reads", and pay only where something is saved.
+
+One ``ScopedRegion`` serves one checkpointed call of one layer (``torch.utils.checkpoint``,
+non-reentrant; this module supplies its ``context_fn``). It follows the layer's markers
+and splits the forward into *segments*, the stretches between two marker events.
+
+Where ops run
+    A dispatch mode is pushed only for the segments that save something: those inside a
+    kept interval, and those where routing, collective or device-to-host ops ran (learnt on
+    a layer's first call, when every segment is watched; a call whose markers differ from
+    what was learnt watches every segment from the first difference on and relearns).
+    Everything else runs at native speed, in forward and in the replay.
+
+What is held
+    Inside a watched segment every output of a *kept* op (any non-view, non-in-place,
+    non-random op of a kept interval, and routing/collective ops anywhere) is held
+    provisionally, then released as soon as it is proven unread:
+
+    * it is *read by backward* when autograd saves it (a saved-tensor hook, pushed only
+      for watched segments, records the storages it packs);
+    * it is *read by the replay* when an op that reruns in backward takes it as input
+      (seen in watched segments; views and the written argument of an in-place op do not
+      count, they only alias);
+    * it *may be read later* while anything besides the region still references its
+      storage: at each kept op and when the segment closes, an unreferenced storage that
+      nothing packed or pinned is dropped, since nothing can read it any more.
+
+    What is still referenced when its segment closes is held, unless no tensor was saved
+    for backward after that point: the replay stops at the last saved tensor
+    (``early_stop``), so nothing after it reruns. A dropped output costs nothing: in the
+    replay its op is neither rerun nor served, a placeholder of the same shape stands in,
+    and no op that reads a placeholder's value runs before the replay stops.
+
+The replay serves each held output once (then lets it go) and refuses a second
+backward through the same forward, as torch's own selective checkpointing does.
+Imports: ``ops``, ``region``; plus torch.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
+
+from actplan.markers import LAYER_END
+from actplan.ops import _TRAITS, IGNORED_OPS, always_replayed, always_saved, op_traits
+from actplan.region import KeptTensorMutatedError, MarkerState, mutation_error
+from actplan.units import MarkerInterval
+
+if TYPE_CHECKING:
+    from actplan.policy import IntervalPolicy
+
+_use_count = torch._C._storage_Use_Count
+
+
+def _python_storage_refs() -> int:
+    # A storage whose Python object exists counts one reference for it (torch keeps that
+    # object alive with the storage); calibrated once rather than assumed.
+    probe = torch.empty(1)
+    return _use_count(probe.untyped_storage()._cdata) - 1
+
+
+_PYTHON_REFS = _python_storage_refs()
+
+
+def _detach(tensor: torch.Tensor) -> torch.Tensor:
+    # As torch's SAC cache does: the alias must not look like a view to autograd when served.
+    with torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.ADInplaceOrView, False):
+        return tensor.detach()
+
+
+_ROUTING = object()  # "saved because it routes or communicates", in place of a kept interval
+
+
+@dataclass(eq=False)
+class HeldOutput:
+    """One tensor output of a kept op: held until proven unread, or dropped."""
+
+    value: Any  # the detached alias; an offload handle; None once dropped or served
+    interval: MarkerInterval | None  # the kept interval, None for routing/collective outputs
+    storage: int  # the storage's _cdata
+    nbytes: int
+    version: int
+    meta: tuple  # (size, stride, dtype, device) for the placeholder
+    producer: Any  # the op
+    mutated_by: Any = None  # an in-place op seen writing into it
+    served: bool = False
+    offloaded: bool = False
+
+
+@dataclass(eq=False)
+class _Entry:
+    """One op of a watched segment, in forward order: run again, or served."""
+
+    func: Any
+    leaves: list | None = None  # kept ops: HeldOutput or plain (non-tensor) values
+    spec: Any = None
+
+
+@dataclass
+class LearntLayout:
+    """What a layer's first call showed: its marker sequence, and which segments ran
+    routing, collective or device-to-host ops outside every kept interval."""
+
+    markers: tuple[str, ...]
+    routing_segments: frozenset[int]
+
+
+@dataclass
+class HeldReport:
+    """Bytes a call holds at the end of its forward, per kept interval (``None``: routing)."""
+
+    held: dict[MarkerInterval | None, int] = field(default_factory=dict)
+    saved_by_ops: dict[MarkerInterval | None, int] = field(default_factory=dict)
+
+
+class _Placeholders(threading.local):
+    storages: dict[int, StorageWeakRef]
+
+    def __init__(self) -> None:
+        self.storages = {}
+
+
+_PLACEHOLDERS = _Placeholders()
+
+
+def is_placeholder(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` lives in a placeholder the replay made for a dropped output (its
+    values are meaningless, and nothing that reads them runs before the replay stops)."""
+    if type(tensor) is not torch.Tensor:
+        return False
+    ref = _PLACEHOLDERS.storages.get(tensor.untyped_storage()._cdata)
+    return ref is not None and not ref.expired()
+
+
+def _placeholder(meta: tuple) -> torch.Tensor:
+    size, stride, dtype, device = meta
+    out = torch.empty_strided(size, stride, dtype=dtype, device=device)
+    storage = out.untyped_storage()
+    _PLACEHOLDERS.storages[storage._cdata] = StorageWeakRef(storage)
+    return out
+
+
+def _checkpoint_frame(pack: Any) -> Any:
+    # torch.utils.checkpoint's pack hook closes over its frame; the frame's count of saved
+    # tensors tells where the replay will stop. Without it, nothing is dropped on that ground.
+    for cell in getattr(pack, "__closure__", None) or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:
+            continue
+        if hasattr(value, "weak_holders") and hasattr(value, "early_stop"):
+            return value
+    return None
+
+
+class _ForwardMode(TorchDispatchMode):
+    def __init__(self, region: ScopedRegion) -> None:
+        super().__init__()
+        self.region = region
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in IGNORED_OPS:
+            return func(*args, **kwargs)
+        return self.region.run_forward_op(func, args, kwargs)
+
+
+class _ReplayMode(TorchDispatchMode):
+    def __init__(self, region: ScopedRegion) -> None:
+        super().__init__()
+        self.region = region
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in IGNORED_OPS:
+            return func(*args, **kwargs)
+        return self.region.run_replay_op(func, args, kwargs)
+
+
+class _Phase:
+    """A context manager that starts the region's forward or replay (``context_fn``'s pair)."""
+
+    def __init__(self, region: ScopedRegion, replay: bool) -> None:
+        self.region, self.replay = region, replay
+
+    def __enter__(self) -> None:
+        if self.replay:
+            self.region.begin_replay()
+        else:
+            self.region.begin_forward()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.region.end_phase(failed=exc[0] is not None)
+
+
+class ScopedRegion(MarkerState):
+    """Marker state, watched segments and held outputs for one checkpointed call."""
+
+    def __init__(self, policy: IntervalPolicy, layer_name: str | None = None) -> None:
+        super().__init__(policy, layer_name)
+        self.layout: LearntLayout | None = policy.learnt_layout(self.layer_name)
+        self.watch_all = self.layout is None
+        self.relearn = self.layout is None
+        self.phase = "idle"
+        self.segment = 0  # marker events so far
+        self.marker_names: list[str] = []
+        self.watched: dict[int, list[_Entry]] = {}  # segment -> its ops, in forward order
+        self.routing_segments: set[int] = set()
+        self.mode: TorchDispatchMode | None = None
+        self.hooks: Any = None
+        self.outer_pack: Any = None
+        self.frame: Any = None
+        # Held outputs: undecided ones by storage; every storage the region references.
+        self.pending: dict[int, list[HeldOutput]] = {}
+        self.refs: dict[int, int] = {}
+        self.held: list[HeldOutput] = []
+        self.packed: set[int] = set()
+        self.pinned: set[int] = set()
+        # Outputs still referenced when their segment closed, by storage, and for those still
+        # referenced when an unwatched segment began, the saved-tensor count at the first such
+        # start (-1 when unknown): an unwatched segment reruns only if a later tensor is saved.
+        self.undecided: dict[int, list[HeldOutput]] = {}
+        self.exposed: dict[int, int] = {}
+        # Per kept interval (None: routing segments), the storages autograd saved in it.
+        self.saved_by_ops: dict[MarkerInterval | None, dict[int, int]] = {}
+        self.report: HeldReport | None = None
+        self.replay_entries: list[_Entry] = []
+        self.cursor = 0
+        self.replayed = False
+
+    def contexts(self) -> tuple[_Phase, _Phase]:
+        """``torch.utils.checkpoint``'s ``context_fn`` result: (forward, replay)."""
+        return _Phase(self, replay=False), _Phase(self, replay=True)
+
+    # -- segments -----------------------------------------------------------------------------
+
+    def _watching(self) -> bool:
+        if self.watch_all or self.kept:
+            return True
+        return self.layout is not None and self.segment in self.layout.routing_segments
+
+    def _open_segment(self) -> None:
+        if self.phase == "forward":
+            if not self._watching():
+                self._expose()
+                return
+            self.watched[self.segment] = []
+            self.mode = _ForwardMode(self)
+            if self.outer_pack is not None:
+                outer_pack, outer_unpack = self.outer_pack
+                packed = self.packed
+
+                saved_by_ops = self.saved_by_ops.setdefault(self.kept[-1] if self.kept else None, {})
+
+                def pack(tensor: torch.Tensor) -> Any:
+                    if type(tensor) is torch.Tensor and not (tensor.is_leaf and tensor.requires_grad):
+                        storage = tensor.untyped_storage()
+                        packed.add(storage._cdata)
+                        saved_by_ops[storage._cdata] = storage.nbytes()
+                    return outer_pack(tensor)
+
+                self.hooks = torch.autograd.graph.saved_tensors_hooks(pack, outer_unpack)
+                self.hooks.__enter__()
+            self.mode.__enter__()
+        elif self.phase == "replay":
+            entries = self.watched.get(self.segment)
+            if entries is None:
+                return
+            self.replay_entries, self.cursor = entries, 0
+            self.mode = _ReplayMode(self)
+            self.mode.__enter__()
+
+    def _close_segment(self) -> None:
+        if self.mode is None:
+            return
+        mode, self.mode = self.mode, None
+        mode.__exit__(None, None, None)
+        if self.hooks is not None:
+            hooks, self.hooks = self.hooks, None
+            hooks.__exit__(None, None, None)
+        if self.phase == "forward":
+            self._sweep(closing=True)
+
+    def on_marker(self, marker: str) -> None:
+        if self.phase == "replay":
+            self._close_segment()
+            self.segment += 1
+            expected = self.marker_names[self.segment - 1] if self.segment <= len(self.marker_names) else None
+            if marker != expected:
+                raise KeptTensorMutatedError(
+                    f"{self.layer_name}: the replay in backward emitted marker {marker!r} where the "
+                    f"forward emitted {expected!r}; the layer's forward must take the same path when "
+                    "it is recomputed (make the branch depend on inputs, not on global state)"
+                )
+            if marker != LAYER_END:
+                self._open_segment()
+            return
+        if self.phase != "forward":
+            super().on_marker(marker)
+            return
+        self._close_segment()
+        if not self.watch_all and self.layout is not None:
+            position = len(self.marker_names)
+            if position >= len(self.layout.markers) or self.layout.markers[position] != marker:
+                # Not the path learnt: watch everything from here on, and relearn.
+                self.watch_all = self.relearn = True
+        self.marker_names.append(marker)
+        self.segment += 1
+        super().on_marker(marker)
+        if marker == LAYER_END:
+            self._end_forward()
+        else:
+            self._open_segment()
+
+    # -- forward ------------------------------------------------------------------------------
+
+    def begin_forward(self) -> None:
+        self.phase = "forward"
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        if top is not None:
+            self.outer_pack = top
+            self.frame = _checkpoint_frame(top[0])
+        self._open_segment()
+
+    def run_forward_op(self, func, args, kwargs):
+        self.op_count += 1
+        traits = _TRAITS.get(id(func)) or op_traits(func)
+        if always_replayed(traits, args, kwargs):
+            kept = None
+        elif self.kept:
+            kept = self.kept[-1]
+        elif self.policy.save_collectives and always_saved(traits, args, kwargs):
+            kept = _ROUTING
+            self.routing_segments.add(self.segment)
+        else:
+            kept = None
+        if kept is None:
+            if self.refs and not traits.is_view and not traits.uninitialized:
+                self._pin_inputs(func, traits, args, kwargs)
+            self.watched[self.segment].append(_Entry(func))
+            return func(*args, **kwargs)
+        if self.pending:
+            self._sweep(closing=False)
+        out = func(*args, **kwargs)
+        if kept is _ROUTING:
+            self._hold(func, out, None, always=True)
+        else:
+            self._hold(func, out, kept, always=False)
+        return out
+
+    def _pin_inputs(self, func, traits, args, kwargs) -> None:
+        written = set()
+        for position, name in traits.mutated:
+            target = args[position] if position < len(args) else kwargs.get(name)
+            if isinstance(target, torch.Tensor):
+                written.add(id(target))
+        refs = self.refs
+        for leaf in tree_leaves((args, kwargs)):
+            if type(leaf) is not torch.Tensor or leaf.device.type == "meta":
+                continue
+            storage = leaf.untyped_storage()._cdata
+            if storage not in refs:
+                continue
+            if id(leaf) in written:
+                # Writing into a held output: fine while nothing reads it, an error once something does.
+                for held in (*self.pending.get(storage, ()), *self.undecided.get(storage, ())):
+                    held.mutated_by = held.mutated_by or func
+                for held in self.held:
+                    if held.storage == storage and held.mutated_by is None:
+                        held.mutated_by = func
+                        raise self._mutation(held)
+                continue
+            self.pinned.add(storage)
+
+    def _hold(self, func, out, interval: MarkerInterval | None, always: bool) -> None:
+        # Routing, collective and device-to-host outputs are held whatever reads them, and so are
+        # integer and boolean outputs (ids, counts, masks): Python may read those without the
+        # dispatcher seeing it (``counts.tolist()`` for split sizes), and they are small.
+        leaves, spec = tree_flatten(out)
+        kept: list = []
+        for leaf in leaves:
+            if type(leaf) is torch.Tensor and leaf.device.type != "meta":
+                storage = leaf.untyped_storage()
+                key = storage._cdata
+                alias = _detach(leaf)
+                held = HeldOutput(
+                    value=alias,
+                    interval=interval,
+                    storage=key,
+                    nbytes=storage.nbytes(),
+                    version=alias._version,
+                    meta=(alias.size(), alias.stride(), alias.dtype, alias.device),
+                    producer=func,
+                )
+                self.refs[key] = self.refs.get(key, 0) + 1
+                if always or not (alias.is_floating_point() or alias.is_complex()):
+                    self.held.append(held)
+                else:
+                    self.pending.setdefault(key, []).append(held)
+                kept.append(held)
+            elif isinstance(leaf, torch.Tensor):
+                kept.append(_detach(leaf))  # a tensor subclass: held as it is
+            else:
+                kept.append(leaf)
+        self.watched[self.segment].append(_Entry(func, kept, spec))
+
+    def _dead(self, storage: int) -> bool:
+        return _use_count(storage) <= self.refs[storage] + _PYTHON_REFS
+
+    def _sweep(self, closing: bool) -> None:
+        # Settle what the watched ops so far prove: read (packed or pinned), or unreferenced.
+        read = self.packed | self.pinned
+        for storage, outputs in list(self.pending.items()):
+            if storage in read:
+                self._keep(outputs)
+            elif self._dead(storage):
+                self._drop(outputs)
+            elif closing:
+                self.undecided[storage] = outputs
+            else:
+                continue
+            del self.pending[storage]
+        for storage, outputs in list(self.undecided.items()):
+            if storage in read:
+                self._keep(outputs)
+            elif storage not in self.exposed and self._dead(storage):
+                self._drop(outputs)
+            else:
+                continue
+            del self.undecided[storage]
+
+    def _expose(self) -> None:
+        # An unwatched segment begins: what is still referenced may be read there unseen.
+        if not self.undecided:
+            return
+        self._sweep(closing=False)
+        saved = self._saved_so_far()
+        for storage in self.undecided:
+            self.exposed.setdefault(storage, -1 if saved is None else saved)
+
+    def _keep(self, outputs: list[HeldOutput]) -> None:
+        for held in outputs:
+            if held.mutated_by is not None:
+                raise self._mutation(held)
+            self.held.append(held)
+
+    def _drop(self, outputs: list[HeldOutput]) -> None:
+        for held in outputs:
+            if held.value is not None:
+                held.value = None
+                count = self.refs[held.storage] - 1
+                if count:
+                    self.refs[held.storage] = count
+                else:
+                    del self.refs[held.storage]
+
+    def _saved_so_far(self) -> int | None:
+        frame = self.frame
+        if frame is None or not frame.early_stop:
+            return None
+        return len(frame.weak_holders)
+
+    def _mutation(self, held: HeldOutput) -> KeptTensorMutatedError:
+        kept = None if held.interval is None else self.policy.describe(held.interval)
+        return mutation_error(self.layer_name, held.mutated_by, held.producer, kept)
+
+    def _end_forward(self) -> None:
+        self._sweep(closing=False)
+        saved = self._saved_so_far()
+        for storage, outputs in self.undecided.items():
+            exposed_at = self.exposed.get(storage)
+            # Kept only if an unwatched segment it was exposed to reruns before the replay stops.
+            if exposed_at is not None and (saved is None or exposed_at < 0 or exposed_at < saved):
+                self._keep(outputs)
+            else:
+                self._drop(outputs)
+        self.undecided.clear()
+        self.held = [h for h in self.held if h.value is not None]
+        if self.relearn:
+            self.policy.learn_layout(
+                self.layer_name, LearntLayout(tuple(self.marker_names), frozenset(self.routing_segments))
+            )
+        self.report = self._held_report()
+        offloaded = self.policy.offload_intervals
+        if offloaded:
+            engine = self.policy.offloader
+            group = engine.current_group(self.layer_name)
+            with _disable_current_modes():  # host copies are not the step's device memory
+                for held in self.held:
+                    if held.interval in offloaded:
+                        moved = engine.offload(held.value, group)
+                        if moved is not held.value:
+                            held.value, held.offloaded = moved, True
+        self.policy.record_held(self.layer_name, self.report)
+
+    def _held_report(self) -> HeldReport:
+        report = HeldReport()
+        seen: set[int] = set()
+        for held in self.held:
+            if held.storage not in seen:
+                seen.add(held.storage)
+                report.held[held.interval] = report.held.get(held.interval, 0) + held.nbytes
+        for interval, storages in self.saved_by_ops.items():
+            report.saved_by_ops[interval] = sum(storages.values())
+        return report
+
+    # -- replay -------------------------------------------------------------------------------
+
+    def begin_replay(self) -> None:
+        if self.replayed:
+            raise RuntimeError(
+                f"{self.layer_name}: backward ran a second time through a forward of this "
+                "selectively checkpointed layer; held outputs are handed to the first backward "
+                "only (as with torch's selective checkpointing). Run the forward again, or check "
+                "this layer fully (mode: full) if you need retain_graph=True."
+            )
+        self.replayed = True
+        self.phase = "replay"
+        self.segment = 0
+        for held in self.held:
+            if held.offloaded:
+                held.value = held.value.materialize()
+                held.version = held.value._version
+        self._open_segment()
+
+    def run_replay_op(self, func, args, kwargs):
+        entries, index = self.replay_entries, self.cursor
+        if index >= len(entries) or entries[index].func is not func:
+            expected = entries[index].func if index < len(entries) else "nothing more"
+            raise RuntimeError(
+                f"{self.layer_name}: the replay in backward ran {func} where the forward ran "
+                f"{expected}; the layer's forward must run the same ops when it is recomputed "
+                "(check for branches on global state or on values that changed since forward)"
+            )
+        self.cursor = index + 1
+        entry = entries[index]
+        if entry.leaves is None:
+            return func(*args, **kwargs)
+        return tree_unflatten([self._serve(leaf) for leaf in entry.leaves], entry.spec)
+
+    def _serve(self, leaf: Any) -> Any:
+        if not isinstance(leaf, HeldOutput):
+            return leaf
+        value = leaf.value
+        if value is None:
+            return _placeholder(leaf.meta)
+        if not leaf.offloaded and value._version != leaf.version:
+            holder = "routing outputs" if leaf.interval is None else self.policy.describe(leaf.interval)
+            raise KeptTensorMutatedError(
+                f"{self.layer_name}: an output of {leaf.producer} that the {holder} "
+                "holds for backward was changed in place after the forward computed it; backward "
+                "would read the changed values. Write that update out-of-place, or do not keep that unit."
+            )
+        leaf.value, leaf.served = None, True
+        return value
+
+    def end_phase(self, failed: bool) -> None:
+        self._close_segment()
+        # The frame holds this region (through its replay context): no cycle past the forward.
+        self.frame = self.outer_pack = None
+        if self.phase == "replay" or failed:
+            # Served or not, nothing is held past the replay (or past a failed forward).
+            for held in self.held:
+                held.value = None
+            self.held.clear()
+            self.pending.clear()
+            self.undecided.clear()
+            self.refs.clear()
+            self.watched.clear()
+        self.phase = "done" if self.phase == "replay" else "forward-done"

@@ -38,6 +38,24 @@ def _routing_ops() -> frozenset:
 
 ROUTING_OPS = _routing_ops()
 """Ops whose outputs are routing decisions (top-k, sorts, counts, ``.item()``)."""
+EXPENSIVE_ATEN_OPS = frozenset(
+    {
+        # GEMMs
+        "mm", "bmm", "addmm", "addbmm", "baddbmm", "addmv", "mv", "dot", "vdot", "addr",
+        "_grouped_mm", "_scaled_mm", "_scaled_grouped_mm", "_int_mm", "_weight_int8pack_mm",
+        "_weight_int4pack_mm", "_addmm_activation",
+        # convolutions
+        "convolution", "_convolution", "cudnn_convolution", "mkldnn_convolution",
+        "convolution_overrideable", "miopen_convolution",
+        # attention kernels
+        "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_fused_attention_overrideable", "_flash_attention_forward",
+        "_efficient_attention_forward", "_cudnn_attention_forward",
+    }
+)  # fmt: skip
+"""aten ops a kept unit never reruns; its other aten ops (elementwise, norms, reductions,
+reshapes) may rerun in the replay when that holds less than keeping their outputs."""
 UNINITIALIZED_OPS = frozenset({"empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided"})
 _TO_COPY = torch.ops.aten._to_copy.default
 
@@ -52,6 +70,7 @@ class OpTraits(NamedTuple):
     is_to_copy: bool  # may be a device-to-host copy
     mutated: tuple[tuple[int, str], ...]  # (position, name) of arguments written in place
     uninitialized: bool  # returns uninitialised memory (empty, empty_like, ...)
+    expensive: bool  # a GEMM, convolution, attention kernel or custom kernel: never rerun when kept
 
 
 # Keyed by id(): ops are process-lived singletons, and OpOverload.__hash__ runs in
@@ -79,9 +98,17 @@ def op_traits(func) -> OpTraits:
             if argument.alias_info is not None and argument.alias_info.is_write
         ),
         uninitialized=getattr(func, "_opname", "") in UNINITIALIZED_OPS,
+        expensive=_is_expensive(func),
     )
     _TRAITS[id(func)] = traits
     return traits
+
+
+def _is_expensive(func) -> bool:
+    namespace = getattr(func, "namespace", None)
+    if namespace not in ("aten", "prims", "prim"):
+        return True  # custom kernels (flash-attn, triton ops, ...): assume costly
+    return getattr(func, "_opname", "") in EXPENSIVE_ATEN_OPS
 
 
 def draws_random(traits: OpTraits, args, kwargs) -> bool:

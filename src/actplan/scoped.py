@@ -104,11 +104,12 @@ class _Entry:
 
 @dataclass
 class LearntLayout:
-    """What a layer's first call showed: its marker sequence, and which segments ran
-    routing, collective or device-to-host ops outside every kept interval."""
+    """What a layer's first call showed: its marker sequence, which segments ran routing,
+    collective or device-to-host ops outside every kept interval, and which ran only views."""
 
     markers: tuple[str, ...]
     routing_segments: frozenset[int]
+    inert_segments: frozenset[int]  # segments that ran nothing but views
 
 
 @dataclass
@@ -212,6 +213,7 @@ class ScopedRegion(MarkerState):
         self.marker_names: list[str] = []
         self.watched: dict[int, list[_Entry]] = {}  # segment -> its ops, in forward order
         self.routing_segments: set[int] = set()
+        self.busy_segments: set[int] = set()  # segments where an op other than a view ran
         self.mode: TorchDispatchMode | None = None
         self.hooks: Any = None
         self.outer_pack: Any = None
@@ -331,10 +333,14 @@ class ScopedRegion(MarkerState):
     def run_forward_op(self, func, args, kwargs):
         self.op_count += 1
         traits = _TRAITS.get(id(func)) or op_traits(func)
+        if not traits.is_view:
+            self.busy_segments.add(self.segment)
         if always_replayed(traits, args, kwargs):
             kept = None
         elif self.kept:
-            kept = self.kept[-1]
+            # A cheap op whose inputs the replay recomputes anyway reruns too: holding its
+            # output would cost memory to save a little elementwise work.
+            kept = self.kept[-1] if traits.expensive or self._reads_held(args, kwargs) else None
         elif self.policy.save_collectives and always_saved(traits, args, kwargs):
             kept = _ROUTING
             self.routing_segments.add(self.segment)
@@ -353,6 +359,17 @@ class ScopedRegion(MarkerState):
         else:
             self._hold(func, out, kept, always=False)
         return out
+
+    def _reads_held(self, args, kwargs) -> bool:
+        refs = self.refs
+        if not refs:
+            return False
+        for leaf in tree_leaves((args, kwargs)):
+            if isinstance(leaf, torch.Tensor) and (
+                type(leaf) is not torch.Tensor or leaf.untyped_storage()._cdata in refs
+            ):
+                return True
+        return False
 
     def _pin_inputs(self, func, traits, args, kwargs) -> None:
         written = set()
@@ -436,8 +453,9 @@ class ScopedRegion(MarkerState):
             del self.undecided[storage]
 
     def _expose(self) -> None:
-        # An unwatched segment begins: what is still referenced may be read there unseen.
-        if not self.undecided:
+        # An unwatched segment begins: what is still referenced may be read there unseen
+        # (unless the first call showed that segment runs nothing but views).
+        if not self.undecided or (self.layout is not None and self.segment in self.layout.inert_segments):
             return
         self._sweep(closing=False)
         saved = self._saved_so_far()
@@ -483,9 +501,9 @@ class ScopedRegion(MarkerState):
         self.undecided.clear()
         self.held = [h for h in self.held if h.value is not None]
         if self.relearn:
-            self.policy.learn_layout(
-                self.layer_name, LearntLayout(tuple(self.marker_names), frozenset(self.routing_segments))
-            )
+            inert = frozenset(range(self.segment + 1)) - self.busy_segments
+            layout = LearntLayout(tuple(self.marker_names), frozenset(self.routing_segments), inert)
+            self.policy.learn_layout(self.layer_name, layout)
         self.report = self._held_report()
         offloaded = self.policy.offload_intervals
         if offloaded:

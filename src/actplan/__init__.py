@@ -4,7 +4,16 @@ The public API. Model authors use ``checkpoint_record`` and the vocabulary;
 training code uses ``RecomputeConfig``, ``apply``, ``remove`` and ``offload_engine``.
 """
 
-from actplan.apply import apply, find_layers, installed_plan, offload_engine, plan_for, remove
+from actplan.apply import (
+    apply,
+    find_layers,
+    held_by_layer,
+    held_by_unit,
+    installed_plan,
+    offload_engine,
+    plan_for,
+    remove,
+)
 from actplan.boundary import (
     apply_gradient_checkpointing,
     is_checkpointed,
@@ -42,6 +51,8 @@ __all__ = [
     "apply_gradient_checkpointing",
     "checkpoint_record",
     "find_layers",
+    "held_by_layer",
+    "held_by_unit",
     "installed_plan",
     "is_checkpointed",
     "offload_engine",

@@ -125,6 +125,41 @@ def offload_engine(model: nn.Module) -> OffloadEngine | None:
     return model.__dict__.get(_ENGINE_ATTR)
 
 
+def held_by_layer(model: nn.Module) -> dict[str, dict[str, dict[str, int]]]:
+    """Per selective layer and kept unit (``routing`` for routing and collective outputs):
+    ``held``, the bytes the layer's latest eager forward held at its end, and ``autograd``,
+    what autograd keeps for the same ops without checkpointing (the tensors they save and
+    those of their outputs any op saves). Layers that have not run eagerly are absent."""
+    layers: dict[str, dict[str, dict[str, int]]] = {}
+    for name, module in find_layers(model):
+        state = checkpoint_state(module)
+        if state is None or state.policy is None:
+            continue
+        policy = state.policy
+        report = policy.held_reports().get(state.name or policy.layer_name)
+        if report is None:
+            continue
+        units: dict[str, dict[str, int]] = {}
+        for interval in set(report.held) | set(report.autograd):
+            unit = "routing" if interval is None else policy.interval_map.unit_of(interval).value
+            entry = units.setdefault(unit, {"held": 0, "autograd": 0})
+            entry["held"] += report.held.get(interval, 0)
+            entry["autograd"] += report.autograd.get(interval, 0)
+        layers[name] = {unit: sizes for unit, sizes in units.items() if sizes["held"] or sizes["autograd"]}
+    return layers
+
+
+def held_by_unit(model: nn.Module) -> dict[str, dict[str, int]]:
+    """``held_by_layer`` summed over the layers, per kept unit."""
+    totals: dict[str, dict[str, int]] = {}
+    for units in held_by_layer(model).values():
+        for unit, sizes in units.items():
+            entry = totals.setdefault(unit, {"held": 0, "autograd": 0})
+            entry["held"] += sizes["held"]
+            entry["autograd"] += sizes["autograd"]
+    return totals
+
+
 def _policy_key(layer: LayerPlan, module: nn.Module) -> tuple | None:
     # Full layers that keep routing outputs run the policy with nothing kept.
     if layer.mode == "none" or (layer.mode == "full" and not layer.routing_saved):

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from actplan.apply import apply, find_layers, offload_engine
+from actplan.apply import apply, find_layers, held_by_unit, offload_engine
 from actplan.config import RecomputeConfig
 from actplan.markers import checkpoint_record, routing_markers
 from actplan.measure import (
@@ -74,6 +74,8 @@ class PolicyRow:
     host_peak_bytes: int | None = None
     offloaded_bytes: int | None = None
     reloaded_bytes: int | None = None
+    # Selective rows: per kept unit, {"held": bytes, "autograd": bytes} (see ``held_by_unit``).
+    held_by_unit: dict[str, dict[str, int]] | None = None
 
 
 @dataclass
@@ -168,6 +170,9 @@ class Contender:
     param_bytes: int = 0
     # Offloading rows: host-tier peak, bytes moved out and back over the metered step.
     moved: tuple[int, int, int] | None = None
+    # Selective rows: per kept unit, bytes held at the end of the metered forward against what
+    # autograd keeps for the same ops without checkpointing (``actplan.held_by_unit``).
+    held_by_unit: dict[str, dict[str, int]] | None = None
 
 
 def prepare_contender(
@@ -193,6 +198,7 @@ def prepare_contender(
     if engine is not None:
         stats = engine.snapshot()
         contender.moved = (stats.host_peak_bytes, stats.bytes_offloaded, stats.bytes_reloaded)
+    contender.held_by_unit = held_by_unit(model) or None
     contender.activation_bytes = report.marks["forward_end"].activation_bytes
     contender.peak_bytes = report.peak_bytes
     contender.cuda_max_allocated_bytes = report.cuda_max_allocated_bytes
@@ -246,6 +252,7 @@ def policy_rows(contenders: list[Contender], timings: dict[str, TimingStats]) ->
                 host_peak_bytes=host_peak,
                 offloaded_bytes=offloaded,
                 reloaded_bytes=reloaded,
+                held_by_unit=contender.held_by_unit,
             )
         )
     return rows
@@ -415,6 +422,30 @@ def run_bench(
     return result
 
 
+def held_markdown(rows: list[PolicyRow]) -> list[str]:
+    """The per-unit table: what each selective row's kept units hold against autograd."""
+    selective = [r for r in rows if r.held_by_unit]
+    if not selective:
+        return []
+    lines = [
+        "",
+        "## Held per kept unit (end of forward, all layers)",
+        "",
+        "What a kept unit holds, against what autograd keeps for the same ops without checkpointing "
+        "(the tensors they save and those of their outputs any op saves); `routing` is the routing "
+        "and collective outputs every plan keeps.",
+        "",
+        "| policy | unit | held (KiB) | autograd keeps (KiB) | ratio |",
+        "|---|---|---|---|---|",
+    ]
+    for r in selective:
+        for unit, sizes in sorted(r.held_by_unit.items()):
+            held, autograd = sizes["held"], sizes["autograd"]
+            share = f"{held / autograd:.2f}" if autograd else ("0" if not held else "-")
+            lines.append(f"| {r.name} | {unit} | {held / 1024:.1f} | {autograd / 1024:.1f} | {share} |")
+    return lines
+
+
 def machine_summary() -> str:
     threads = torch.get_num_threads()
     gpu = f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
@@ -506,6 +537,7 @@ def to_markdown(result: BenchResult) -> str:
                 f"{mib(r.offloaded_bytes)} | {mib(r.reloaded_bytes)} | "
                 f"{r.ratio_to_none:.3f} ± {r.ratio_spread:.3f} |"
             )
+    lines += held_markdown(result.rows)
     if any(r.per_rank_memory for r in result.rows):
         lines += ["", "## Per-rank memory (activations @ fwd end / peak, MiB)", ""]
         for r in result.rows:

@@ -24,7 +24,7 @@ from actplan.bench import (
     write_json,
 )
 from actplan.config import PRESETS, ConfigError
-from actplan.models import MODELS
+from actplan.models import MODELS, ModelBundle
 
 
 def _bench(args: argparse.Namespace, console: Console) -> int:
@@ -95,6 +95,9 @@ def _run_and_report(args: argparse.Namespace, console: Console) -> int:
             command="actplan " + " ".join(sys.argv[1:]) if sys.argv[1:] else "actplan bench",
         )
     console.print(bench_table(result))
+    held = {r.name: r.held_by_unit for r in result.rows if r.held_by_unit}
+    if held:
+        console.print(held_table(held, "held per kept unit at the end of forward, all layers"))
     for goal in result.goals:
         style = "green" if goal["met"] else "red"
         console.print(
@@ -162,11 +165,30 @@ def bench_table(result: BenchResult) -> Table:
     return table
 
 
+def held_table(held: dict[str, dict[str, dict[str, int]]], title: str) -> Table:
+    """Per row (policy or layer) and kept unit: bytes held against what autograd keeps."""
+    table = Table(
+        title=title,
+        caption="autograd keeps: what the same ops hold without checkpointing (the tensors they save "
+        "and those of their outputs any op saves); routing: routing and collective outputs",
+    )
+    for column in ("", "unit", "held KiB", "autograd keeps KiB", "ratio"):
+        table.add_column(column, justify="left" if column in ("", "unit") else "right", no_wrap=True)
+    for name, units in held.items():
+        for unit, sizes in sorted(units.items()):
+            kept, autograd = sizes["held"], sizes["autograd"]
+            share = f"{kept / autograd:.2f}" if autograd else ("0" if not kept else "-")
+            table.add_row(name, unit, f"{kept / 1024:.1f}", f"{autograd / 1024:.1f}", share)
+    return table
+
+
 def _explain(args: argparse.Namespace, console: Console) -> int:
     from actplan.apply import plan_for
     from actplan.models import load_model
 
     bundle = load_model(args.model, args.size)
+    if args.measure:
+        return _explain_measured(bundle, args.config, console)
     plan = plan_for(bundle.model, args.config)
     caption = plan.summary()
     offload = plan.config.offload
@@ -192,6 +214,21 @@ def _explain(args: argparse.Namespace, console: Console) -> int:
             layer.source,
         )
     console.print(table)
+    return 0
+
+
+def _explain_measured(bundle: ModelBundle, config: str, console: Console) -> int:
+    # Two training steps: the first teaches each layer its path, the second is reported.
+    import actplan
+
+    plan = actplan.apply(bundle.model, config)
+    for seed in range(2):
+        out = bundle.model(**bundle.make_batch(seed))
+        (out["loss"] if isinstance(out, dict) else out).backward()
+        bundle.model.zero_grad(set_to_none=True)
+    held = actplan.held_by_layer(bundle.model)
+    console.print(plan.summary())
+    console.print(held_table(held, f"held per kept unit, {bundle.description}, one training step"))
     return 0
 
 
@@ -480,6 +517,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     explain.add_argument("--size", default="small")
     explain.add_argument("--config", required=True, help="preset name or YAML/JSON file")
+    explain.add_argument(
+        "--measure",
+        action="store_true",
+        help="also run a training step and report, per layer and kept unit, the bytes held at the "
+        "end of forward against what autograd keeps for the same ops without checkpointing",
+    )
     explain.set_defaults(run=_explain)
 
     profile = sub.add_parser("profile", help="measure each layer type's keep/recompute/offload candidates")

@@ -45,7 +45,7 @@ from actplan.plan import format_indices
 from actplan.planner import Candidate, PlanProblem
 from actplan.sizes import DEFAULT_OFFLOAD_MIN_BYTES
 
-PROFILE_FORMAT = 1
+PROFILE_FORMAT = 2  # 2: candidates measured with the needs-based eager engine
 
 
 @dataclass

@@ -114,10 +114,13 @@ class LearntLayout:
 
 @dataclass
 class HeldReport:
-    """Bytes a call holds at the end of its forward, per kept interval (``None``: routing)."""
+    """Per kept interval (``None``: routing and collective outputs), the bytes a call holds at
+    the end of its forward, against what autograd keeps for the same ops without checkpointing:
+    the tensors those ops save, and those of their outputs that any op saves (measured on the
+    layer's first call, when every segment is watched)."""
 
     held: dict[MarkerInterval | None, int] = field(default_factory=dict)
-    saved_by_ops: dict[MarkerInterval | None, int] = field(default_factory=dict)
+    autograd: dict[MarkerInterval | None, int] = field(default_factory=dict)
 
 
 class _Placeholders(threading.local):
@@ -145,6 +148,12 @@ def _placeholder(meta: tuple) -> torch.Tensor:
     storage = out.untyped_storage()
     _PLACEHOLDERS.storages[storage._cdata] = StorageWeakRef(storage)
     return out
+
+
+def _is_parameter(tensor: torch.Tensor) -> bool:
+    # A parameter, or a view of one (``weight.t()`` saved by a GEMM): not an activation.
+    base = tensor._base if tensor._base is not None else tensor
+    return base.is_leaf and base.requires_grad
 
 
 def _checkpoint_frame(pack: Any) -> Any:
@@ -229,8 +238,10 @@ class ScopedRegion(MarkerState):
         # start (-1 when unknown): an unwatched segment reruns only if a later tensor is saved.
         self.undecided: dict[int, list[HeldOutput]] = {}
         self.exposed: dict[int, int] = {}
-        # Per kept interval (None: routing segments), the storages autograd saved in it.
-        self.saved_by_ops: dict[MarkerInterval | None, dict[int, int]] = {}
+        # Learning calls only, per kept interval (None: routing): the storages autograd saved
+        # while it was open, and the storages its kept ops produced (both with their sizes).
+        self.saved_in: dict[MarkerInterval | None, dict[int, int]] = {}
+        self.produced: dict[MarkerInterval | None, dict[int, int]] = {}
         self.report: HeldReport | None = None
         self.replay_entries: list[_Entry] = []
         self.cursor = 0
@@ -258,13 +269,16 @@ class ScopedRegion(MarkerState):
                 outer_pack, outer_unpack = self.outer_pack
                 packed = self.packed
 
-                saved_by_ops = self.saved_by_ops.setdefault(self.kept[-1] if self.kept else None, {})
+                saved_in = None
+                if self.relearn:
+                    saved_in = self.saved_in.setdefault(self.kept[-1] if self.kept else None, {})
 
                 def pack(tensor: torch.Tensor) -> Any:
-                    if type(tensor) is torch.Tensor and not (tensor.is_leaf and tensor.requires_grad):
+                    if type(tensor) is torch.Tensor:
                         storage = tensor.untyped_storage()
                         packed.add(storage._cdata)
-                        saved_by_ops[storage._cdata] = storage.nbytes()
+                        if saved_in is not None and not _is_parameter(tensor):
+                            saved_in[storage._cdata] = storage.nbytes()
                     return outer_pack(tensor)
 
                 self.hooks = torch.autograd.graph.saved_tensors_hooks(pack, outer_unpack)
@@ -416,6 +430,8 @@ class ScopedRegion(MarkerState):
                     producer=func,
                 )
                 self.refs[key] = self.refs.get(key, 0) + 1
+                if self.relearn:
+                    self.produced.setdefault(interval, {})[key] = held.nbytes
                 if always or not (alias.is_floating_point() or alias.is_complex()):
                     self.held.append(held)
                 else:
@@ -524,8 +540,16 @@ class ScopedRegion(MarkerState):
             if held.storage not in seen:
                 seen.add(held.storage)
                 report.held[held.interval] = report.held.get(held.interval, 0) + held.nbytes
-        for interval, storages in self.saved_by_ops.items():
-            report.saved_by_ops[interval] = sum(storages.values())
+        if not self.relearn:
+            previous = self.policy.held_reports().get(self.layer_name)
+            report.autograd = dict(previous.autograd) if previous is not None else {}
+            return report
+        for interval in set(self.saved_in) | set(self.produced):
+            # Routing outputs are compared with what autograd keeps of them, not with everything
+            # saved outside kept intervals.
+            kept = dict(self.saved_in.get(interval, {})) if interval is not None else {}
+            kept.update((s, n) for s, n in self.produced.get(interval, {}).items() if s in self.packed)
+            report.autograd[interval] = sum(kept.values())
         return report
 
     # -- replay -------------------------------------------------------------------------------

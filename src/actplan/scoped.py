@@ -45,11 +45,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
-from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from actplan.markers import LAYER_END
 from actplan.ops import _TRAITS, IGNORED_OPS, always_replayed, always_saved, op_traits
-from actplan.region import KeptTensorMutatedError, MarkerState, mutation_error
+from actplan.region import KeptTensorMutatedError, MarkerError, MarkerState, mutation_error
 from actplan.units import MarkerInterval
 
 if TYPE_CHECKING:
@@ -148,6 +148,17 @@ def _placeholder(meta: tuple) -> torch.Tensor:
     storage = out.untyped_storage()
     _PLACEHOLDERS.storages[storage._cdata] = StorageWeakRef(storage)
     return out
+
+
+def _tensor_args(args: tuple, kwargs: dict):
+    # An aten op's tensor arguments: positional, keyword, and inside Tensor[] lists.
+    for value in (*args, *kwargs.values()) if kwargs else args:
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                if isinstance(item, torch.Tensor):
+                    yield item
 
 
 def _is_parameter(tensor: torch.Tensor) -> bool:
@@ -309,7 +320,7 @@ class ScopedRegion(MarkerState):
             self.segment += 1
             expected = self.marker_names[self.segment - 1] if self.segment <= len(self.marker_names) else None
             if marker != expected:
-                raise KeptTensorMutatedError(
+                raise MarkerError(
                     f"{self.layer_name}: the replay in backward emitted marker {marker!r} where the "
                     f"forward emitted {expected!r}; the layer's forward must take the same path when "
                     "it is recomputed (make the branch depend on inputs, not on global state)"
@@ -366,7 +377,7 @@ class ScopedRegion(MarkerState):
             self.watched[self.segment].append(_Entry(func))
             return func(*args, **kwargs)
         if self.pending:
-            self._sweep(closing=False)
+            self._sweep_pending()
         out = func(*args, **kwargs)
         if kept is _ROUTING:
             self._hold(func, out, None, always=True)
@@ -378,10 +389,8 @@ class ScopedRegion(MarkerState):
         refs = self.refs
         if not refs:
             return False
-        for leaf in tree_leaves((args, kwargs)):
-            if isinstance(leaf, torch.Tensor) and (
-                type(leaf) is not torch.Tensor or leaf.untyped_storage()._cdata in refs
-            ):
+        for leaf in _tensor_args(args, kwargs):
+            if type(leaf) is not torch.Tensor or leaf.untyped_storage()._cdata in refs:
                 return True
         return False
 
@@ -392,7 +401,7 @@ class ScopedRegion(MarkerState):
             if isinstance(target, torch.Tensor):
                 written.add(id(target))
         refs = self.refs
-        for leaf in tree_leaves((args, kwargs)):
+        for leaf in _tensor_args(args, kwargs):
             if type(leaf) is not torch.Tensor or leaf.device.type == "meta":
                 continue
             storage = leaf.untyped_storage()._cdata
@@ -445,6 +454,19 @@ class ScopedRegion(MarkerState):
 
     def _dead(self, storage: int) -> bool:
         return _use_count(storage) <= self.refs[storage] + _PYTHON_REFS
+
+    def _sweep_pending(self) -> None:
+        # Before each kept op: let the current segment's outputs nobody references go at once.
+        read = self.packed
+        pinned = self.pinned
+        for storage, outputs in list(self.pending.items()):
+            if storage in read or storage in pinned:
+                self._keep(outputs)
+            elif self._dead(storage):
+                self._drop(outputs)
+            else:
+                continue
+            del self.pending[storage]
 
     def _sweep(self, closing: bool) -> None:
         # Settle what the watched ops so far prove: read (packed or pinned), or unreferenced.

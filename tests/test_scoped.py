@@ -226,3 +226,59 @@ def test_outputs_read_by_python_outside_the_dispatcher_are_held():
         warnings.simplefilter("error")
         for _ in range(2):
             assert torch.equal(torch.autograd.grad(layer(x, ids), [x])[0], want)
+
+
+class RoutedInsideKept(nn.Module):
+    """A router kept as a unit, whose top-k reads a tensor the replay recomputes anyway."""
+
+    recompute_intervals = RecomputeIntervalMap({"moe_router": MarkerInterval("r", "e")})
+
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Linear(8, 4)
+
+    def forward(self, x):
+        logits = self.gate(x)
+        checkpoint_record("r")
+        weights, ids = logits.softmax(-1).topk(2, dim=-1)
+        checkpoint_record("e")
+        return (torch.tanh(x[:, :2]) * weights * ids.float()).sum()
+
+
+def test_routing_inside_a_kept_unit_never_reruns_and_parameters_are_free_inputs():
+    layer = RoutedInsideKept()
+    x = torch.randn(5, 8, requires_grad=True)
+    want = torch.autograd.grad(layer(x), [x])[0]
+    imap = RoutedInsideKept.recompute_intervals
+    apply_gradient_checkpointing(layer, policy=IntervalPolicy(imap, imap.intervals_of(["moe_router"])))
+    for _ in range(2):
+        with OpCounter() as counter:
+            got = torch.autograd.grad(layer(x), [x])[0]
+        assert torch.equal(got, want)
+        assert counter[aten.topk.default] == 1
+
+    # A cheap op reading only a parameter (and a recomputed input) reruns rather than holds,
+    # even when something else is held.
+    class ScaleThenProj(nn.Module):
+        recompute_intervals = RecomputeIntervalMap({"mlp_up": MarkerInterval("a", "b")})
+
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8, bias=False)
+            self.scale = nn.Parameter(torch.full((8,), 2.0))
+
+        def forward(self, x):
+            checkpoint_record("a")
+            h = self.lin(x)
+            scaled = x * self.scale
+            checkpoint_record("b")
+            return (torch.tanh(h) * scaled).sum()
+
+    layer = ScaleThenProj()
+    imap = ScaleThenProj.recompute_intervals
+    policy = IntervalPolicy(imap, imap.intervals_of(["mlp_up"]), layer_name="L")
+    apply_gradient_checkpointing(layer, policy=policy, name="L")
+    for _ in range(2):
+        layer(x).backward()
+    (interval,) = imap.intervals_of(["mlp_up"])
+    assert policy.held_reports()["L"].held == {interval: 5 * 8 * 4}  # h only; x * scale reruns

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from actplan.cli import main
 from actplan.models import build_model, load_model
@@ -51,3 +52,14 @@ def test_cli_exit_code_and_json(tmp_path, capsys):
 def test_steps_must_be_positive():
     with pytest.raises(ValueError, match="steps must be at least 1"):
         verify(build_model("dense", "tiny"), "full", steps=0)
+
+
+def test_equal_infinities_and_nans_are_not_differences():
+    from actplan.verify import _value_difference
+
+    inf, nan = float("inf"), float("nan")
+    a = torch.tensor([1.0, -inf, nan, inf])
+    assert _value_difference(a, a.clone()) == 0.0
+    assert _value_difference(a, torch.tensor([1.5, -inf, nan, inf])) == 0.5
+    assert _value_difference(a, torch.tensor([1.0, inf, nan, inf])) == inf
+    assert _value_difference(a, torch.tensor([1.0, -inf, 2.0, inf])) == inf

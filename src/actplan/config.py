@@ -84,7 +84,7 @@ PRESETS: dict[str, PresetSpec] = {
         "keep GEMM and attention-kernel outputs, recompute norms and elementwise ops",
         # mlp_down is left out on purpose: its output feeds only the residual add, so
         # backward never reads it and non-reentrant recompute stops before reaching it.
-        # Keeping it would cost memory and save no work.
+        # Keeping it would hold nothing and save no work.
         kept_units=(
             RecomputeUnit.QKV_PROJ,
             RecomputeUnit.ATTN_CORE,

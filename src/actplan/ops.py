@@ -131,8 +131,8 @@ def is_device_to_host(args, kwargs) -> bool:
 
 def always_replayed(traits: OpTraits, args, kwargs) -> bool:
     """Views, in-place and ``out=`` ops, uninitialised allocations and random draws: never
-    cached. A view is free and a cached one would pin its base; a cached in-place result
-    would alias a tensor later ops change; a cached random op would leave the generator
+    held or served. A view is free and a held one would pin its base; a served in-place
+    result would alias a tensor later ops change; a skipped random op would leave the generator
     behind in the replay, shifting every later draw."""
     return (
         traits.is_view
@@ -157,4 +157,4 @@ def _ignored_ops() -> frozenset:
 
 
 IGNORED_OPS = _ignored_ops()
-"""Ops neither cached nor counted: ``torch.utils.checkpoint`` adds them itself."""
+"""Ops neither held nor counted: ``torch.utils.checkpoint`` adds them itself."""

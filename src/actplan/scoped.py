@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -360,13 +361,14 @@ class ScopedRegion(MarkerState):
         traits = _TRAITS.get(id(func)) or op_traits(func)
         if not traits.is_view:
             self.busy_segments.add(self.segment)
+        routing = self.policy.save_collectives and always_saved(traits, args, kwargs)
         if always_replayed(traits, args, kwargs):
             kept = None
-        elif self.kept:
-            # A cheap op whose inputs the replay recomputes anyway reruns too: holding its
-            # output would cost memory to save a little elementwise work.
-            kept = self.kept[-1] if traits.expensive or self._reads_held(args, kwargs) else None
-        elif self.policy.save_collectives and always_saved(traits, args, kwargs):
+        elif self.kept and (traits.expensive or routing or self._reads_held(args, kwargs)):
+            # (A cheap op whose inputs the replay recomputes anyway reruns: holding its output
+            # would cost memory to save a little elementwise work.)
+            kept = self.kept[-1]
+        elif routing:
             kept = _ROUTING
             self.routing_segments.add(self.segment)
         else:
@@ -382,7 +384,7 @@ class ScopedRegion(MarkerState):
         if kept is _ROUTING:
             self._hold(func, out, None, always=True)
         else:
-            self._hold(func, out, kept, always=False)
+            self._hold(func, out, kept, always=routing)
         return out
 
     def _reads_held(self, args, kwargs) -> bool:
@@ -390,8 +392,11 @@ class ScopedRegion(MarkerState):
         if not refs:
             return False
         for leaf in _tensor_args(args, kwargs):
-            if type(leaf) is not torch.Tensor or leaf.untyped_storage()._cdata in refs:
-                return True
+            if type(leaf) is torch.Tensor:
+                if leaf.untyped_storage()._cdata in refs:
+                    return True
+            elif not isinstance(leaf, nn.Parameter):
+                return True  # a tensor subclass: its storage cannot be checked, assume held
         return False
 
     def _pin_inputs(self, func, traits, args, kwargs) -> None:
@@ -428,6 +433,10 @@ class ScopedRegion(MarkerState):
             if type(leaf) is torch.Tensor and leaf.device.type != "meta":
                 storage = leaf.untyped_storage()
                 key = storage._cdata
+                if key not in self.refs:
+                    # A new storage: what was packed or pinned at this address before is gone.
+                    self.packed.discard(key)
+                    self.pinned.discard(key)
                 alias = _detach(leaf)
                 held = HeldOutput(
                     value=alias,
@@ -615,10 +624,14 @@ class ScopedRegion(MarkerState):
         if value is None:
             return _placeholder(leaf.meta)
         if not leaf.offloaded and value._version != leaf.version:
-            holder = "routing outputs" if leaf.interval is None else self.policy.describe(leaf.interval)
+            what = (
+                "a routing or collective output held for backward,"
+                if leaf.interval is None
+                else f"held for backward by the kept {self.policy.describe(leaf.interval)},"
+            )
             raise KeptTensorMutatedError(
-                f"{self.layer_name}: an output of {leaf.producer} that the {holder} "
-                "holds for backward was changed in place after the forward computed it; backward "
+                f"{self.layer_name}: an output of {leaf.producer}, {what} "
+                "was changed in place after the forward computed it; backward "
                 "would read the changed values. Write that update out-of-place, or do not keep that unit."
             )
         leaf.value, leaf.served = None, True

@@ -62,11 +62,22 @@ class RecomputeMismatch:
     detail: str
 
 
+def _value_difference(original: torch.Tensor, again: torch.Tensor) -> float:
+    """Largest absolute difference, where equal values (infinities of the same sign, NaN
+    against NaN) count as equal: a mask filled with -inf must not read as a difference."""
+    if not original.numel():
+        return 0.0
+    same = (original == again) | (original.isnan() & again.isnan())
+    if bool(same.all()):
+        return 0.0
+    return float((original - again).abs()[~same].max().nan_to_num(nan=float("inf"), posinf=float("inf")))
+
+
 class _RecomputeChecker(TorchDispatchMode):
     """Record each checkpointed layer's forward op outputs, then compare its replay.
 
     The boundary's observer tells which layer runs and whether it is the forward or the
-    replay; ops served from the selective cache never reach this mode, so only replayed
+    replay; ops whose held outputs the replay serves never reach this mode, so only replayed
     ops are compared, each with the next forward op of the same kind.
     """
 
@@ -132,7 +143,7 @@ class _RecomputeChecker(TorchDispatchMode):
                     f"{tuple(again.shape)} {again.dtype}"
                 )
             elif original.is_floating_point() or original.is_complex():
-                diff = (original - again).abs().max().item() if original.numel() else 0.0
+                diff = _value_difference(original, again)
                 if diff <= self.atol:
                     continue
                 detail = f"values differ by up to {diff:.3e}"

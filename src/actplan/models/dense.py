@@ -5,8 +5,8 @@ SwiGLU MLP, in one short file. Decoder layers return a TypedDict. The only
 actplan import is the marker and the vocabulary: the model knows its units, the
 engine never imports the model.
 
-Ops inside each unit are written out-of-place (dropout included): a kept
-interval caches op outputs, and an in-place op would mutate a cached tensor.
+Ops inside each unit are written out-of-place (dropout included): an in-place
+update of a tensor a kept unit holds for backward would change what backward reads.
 """
 
 from __future__ import annotations
@@ -89,7 +89,8 @@ def dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
 class RMSNorm(nn.Module):
     """RMSNorm whose only full-size intermediates are the two that backward needs.
 
-    ``x.pow(2).mean()`` would allocate a third, which a kept norm unit caches.
+    ``x.pow(2).mean()`` would allocate a third (freed at once, and never held by a kept
+    norm: nothing reads it after the mean).
     """
 
     def __init__(self, dim: int, eps: float) -> None:
@@ -113,8 +114,8 @@ def rope_frequencies(head_dim: int, max_seq_len: int, theta: float) -> torch.Ten
 def apply_rope(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
     """Rotate ``x`` [batch, seq, heads, head_dim] by ``freqs_cis`` [seq, head_dim/2].
 
-    The complex form allocates one output tensor; the rotate-half form allocates
-    four, which a kept ``rope`` unit would all cache.
+    The complex form allocates one output tensor; the rotate-half form allocates four
+    short-lived ones.
     """
     xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
     return torch.view_as_real(xc * freqs_cis[None, :, None, :]).flatten(3).type_as(x)

@@ -184,7 +184,7 @@ def test_a_call_off_the_learnt_path_watches_everything_and_relearns():
         assert torch.equal(got, want), call
         if layer.route:  # the routing call: the sort ran once, never in the replay
             assert counter[aten.sort.default] == 1, call
-    assert policy.learnt_layout("L") is not None
+    assert policy.learnt_layout(layer) is not None
 
 
 def test_second_backward_through_one_forward_names_the_layer():
@@ -282,3 +282,59 @@ def test_routing_inside_a_kept_unit_never_reruns_and_parameters_are_free_inputs(
         layer(x).backward()
     (interval,) = imap.intervals_of(["mlp_up"])
     assert policy.held_reports()["L"].held == {interval: 5 * 8 * 4}  # h only; x * scale reruns
+
+
+class ReadAfterLastSave(nn.Module):
+    """A kept GEMM's output read by a rerun in-place add after the last saved tensor."""
+
+    recompute_intervals = RecomputeIntervalMap({"attn_proj": MarkerInterval("a", "b")})
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16, bias=False)
+
+    def forward(self, x):
+        checkpoint_record("a")
+        o = self.lin(x)  # saves x and the weight; nothing saves o
+        out = x * 2
+        out.add_(o)  # reruns in the replay, but after the replay has stopped
+        checkpoint_record("b")
+        return out
+
+
+def test_an_output_read_only_after_the_last_saved_tensor_is_not_held():
+    torch.manual_seed(0)
+    layer = ReadAfterLastSave()
+    x = torch.randn(4, 16, requires_grad=True)
+    want = torch.autograd.grad(layer(x).sum(), [x])[0]
+    imap = ReadAfterLastSave.recompute_intervals
+    policy = IntervalPolicy(imap, imap.intervals_of(["attn_proj"]), layer_name="L")
+    apply_gradient_checkpointing(layer, policy=policy, name="L")
+    for _ in range(2):
+        got = torch.autograd.grad(layer(x).sum(), [x])[0]
+        assert torch.equal(got, want)
+        assert not any(policy.held_reports()["L"].held.values())
+
+
+def test_a_read_the_engine_cannot_see_gives_nan_not_a_wrong_gradient():
+    # .tolist() of a float output bypasses the dispatcher: documented as unsupported, and
+    # it must fail loudly. The placeholder standing in for the dropped output is NaN.
+    class Scales(nn.Module):
+        recompute_intervals = RecomputeIntervalMap({"mlp_up": MarkerInterval("a", "b")})
+
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 3, bias=False)
+
+        def forward(self, x):
+            checkpoint_record("a")
+            scales = self.lin(x).sum(0).tolist()
+            checkpoint_record("b")
+            return sum(torch.tanh(x * s).sum() for s in scales)
+
+    layer = Scales()
+    imap = Scales.recompute_intervals
+    apply_gradient_checkpointing(layer, policy=IntervalPolicy(imap, imap.intervals_of(["mlp_up"])))
+    x = torch.randn(5, 4, requires_grad=True)
+    (grad,) = torch.autograd.grad(layer(x), [x])
+    assert torch.isnan(grad).all()

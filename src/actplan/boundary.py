@@ -33,8 +33,11 @@ class MarkerPolicy(Protocol):
     # Stable across calls, for torch.compile: the graph's marker ops reach it.
     context_fn: Callable[[], Any]
 
-    def open_region(self, layer_name: str | None = None) -> tuple[Callable[[], Any], Callable[[str], None]]:
-        """Eager: a per-call ``context_fn`` and the sink its markers go to."""
+    def open_region(
+        self, layer_name: str | None = None, layer: nn.Module | None = None
+    ) -> tuple[Callable[[], Any], Callable[[str], None]]:
+        """Eager: a per-call ``context_fn`` and the sink its markers go to; ``layer`` is the
+        module calling (what a policy learns about a layer is kept per module)."""
         ...
 
 
@@ -123,7 +126,7 @@ def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():
             context_fn, sink = state.policy.context_fn, None
         else:
-            context_fn, sink = state.policy.open_region(state.name)
+            context_fn, sink = state.policy.open_region(state.name, self)
         options["context_fn"] = context_fn
         run = functools.partial(_run_with_markers, sink, inner)
     else:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -106,22 +107,31 @@ class IntervalPolicy:
         self._ever_ran: set[MarkerInterval] = set()
         # Per calling layer: the marker path and routing segments its first call showed,
         # and what its latest call held (for reports).
-        self._layouts: dict[str, LearntLayout] = {}
+        # Keyed by the calling module (a policy serves several layers, which may take
+        # different paths); a layer wrapped without one shares the policy's entry.
+        self._layouts: weakref.WeakKeyDictionary[Any, LearntLayout] = weakref.WeakKeyDictionary()
+        self._unkeyed_layout: LearntLayout | None = None
         self._held: dict[str, HeldReport] = {}
         self.context_fn = functools.partial(_traced_contexts, self)
 
-    def open_region(self, layer_name: str | None = None) -> tuple[Callable[[], Any], Callable[[str], None]]:
+    def open_region(
+        self, layer_name: str | None = None, layer: Any = None
+    ) -> tuple[Callable[[], Any], Callable[[str], None]]:
         """Eager form, one per checkpointed call: a ``context_fn`` bound to a fresh
         region, and the marker sink that feeds the same region directly.
-        ``layer_name`` names the calling layer in errors (the policy may be shared)."""
-        region = ScopedRegion(self, layer_name)
+        ``layer_name`` names the calling layer in errors and reports (the policy may be
+        shared); ``layer``, the calling module, keys what is learnt about its path."""
+        region = ScopedRegion(self, layer_name, layer)
         return region.contexts, region.on_marker
 
-    def learnt_layout(self, layer_name: str) -> LearntLayout | None:
-        return self._layouts.get(layer_name)
+    def learnt_layout(self, layer: Any) -> LearntLayout | None:
+        return self._unkeyed_layout if layer is None else self._layouts.get(layer)
 
-    def learn_layout(self, layer_name: str, layout: LearntLayout) -> None:
-        self._layouts[layer_name] = layout
+    def learn_layout(self, layer: Any, layout: LearntLayout) -> None:
+        if layer is None:
+            self._unkeyed_layout = layout
+        else:
+            self._layouts[layer] = layout
 
     def record_held(self, layer_name: str, report: HeldReport) -> None:
         self._held[layer_name] = report

@@ -109,6 +109,7 @@ class LearntLayout:
     collective or device-to-host ops outside every kept interval, and which ran only views."""
 
     markers: tuple[str, ...]
+    kept: tuple[MarkerInterval | None, ...]  # per segment, the innermost kept interval open
     routing_segments: frozenset[int]
     inert_segments: frozenset[int]  # segments that ran nothing but views
 
@@ -143,12 +144,14 @@ def is_placeholder(tensor: torch.Tensor) -> bool:
     return ref is not None and not ref.expired()
 
 
-def _placeholder(meta: tuple) -> torch.Tensor:
+def _placeholder(meta: tuple) -> tuple[torch.Tensor, int]:
+    # NaN-filled: a read the engine cannot see (a kernel reading raw memory) shows up as NaN,
+    # never as a silently wrong gradient. Only floating-point outputs are ever dropped.
     size, stride, dtype, device = meta
-    out = torch.empty_strided(size, stride, dtype=dtype, device=device)
+    out = torch.empty_strided(size, stride, dtype=dtype, device=device).fill_(float("nan"))
     storage = out.untyped_storage()
     _PLACEHOLDERS.storages[storage._cdata] = StorageWeakRef(storage)
-    return out
+    return out, storage._cdata
 
 
 def _tensor_args(args: tuple, kwargs: dict):
@@ -181,28 +184,19 @@ def _checkpoint_frame(pack: Any) -> Any:
     return None
 
 
-class _ForwardMode(TorchDispatchMode):
-    def __init__(self, region: ScopedRegion) -> None:
+class _SegmentMode(TorchDispatchMode):
+    """The dispatch mode of one watched segment: hands each op to the region's forward or
+    replay handler (``run_op``)."""
+
+    def __init__(self, run_op: Any) -> None:
         super().__init__()
-        self.region = region
+        self.run_op = run_op
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in IGNORED_OPS:
             return func(*args, **kwargs)
-        return self.region.run_forward_op(func, args, kwargs)
-
-
-class _ReplayMode(TorchDispatchMode):
-    def __init__(self, region: ScopedRegion) -> None:
-        super().__init__()
-        self.region = region
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in IGNORED_OPS:
-            return func(*args, **kwargs)
-        return self.region.run_replay_op(func, args, kwargs)
+        return self.run_op(func, args, kwargs)
 
 
 class _Phase:
@@ -224,13 +218,17 @@ class _Phase:
 class ScopedRegion(MarkerState):
     """Marker state, watched segments and held outputs for one checkpointed call."""
 
-    def __init__(self, policy: IntervalPolicy, layer_name: str | None = None) -> None:
+    def __init__(self, policy: IntervalPolicy, layer_name: str | None = None, layer: Any = None) -> None:
         super().__init__(policy, layer_name)
-        self.layout: LearntLayout | None = policy.learnt_layout(self.layer_name)
+        self.layer = layer
+        self.layout: LearntLayout | None = policy.learnt_layout(layer)
         self.watch_all = self.layout is None
         self.relearn = self.layout is None
         self.phase = "idle"
         self.segment = 0  # marker events so far
+        self.current_kept: MarkerInterval | None = None  # innermost kept interval open now
+        self.segment_kept: list[MarkerInterval | None] = [None]  # per segment, for learning
+        self.left_path_at = 0  # the segment where a call left the learnt path
         self.marker_names: list[str] = []
         self.watched: dict[int, list[_Entry]] = {}  # segment -> its ops, in forward order
         self.routing_segments: set[int] = set()
@@ -244,7 +242,9 @@ class ScopedRegion(MarkerState):
         self.refs: dict[int, int] = {}
         self.held: list[HeldOutput] = []
         self.packed: set[int] = set()
-        self.pinned: set[int] = set()
+        # Storages read by an op the replay reruns -> saved-tensor count at the first such read
+        # (-1 when unknown): a read after the last saved tensor never reruns.
+        self.pinned: dict[int, int] = {}
         # Outputs still referenced when their segment closed, by storage, and for those still
         # referenced when an unwatched segment began, the saved-tensor count at the first such
         # start (-1 when unknown): an unwatched segment reruns only if a later tensor is saved.
@@ -258,6 +258,7 @@ class ScopedRegion(MarkerState):
         self.replay_entries: list[_Entry] = []
         self.cursor = 0
         self.replayed = False
+        self.placeholders: list[int] = []  # registry keys of this replay's placeholders
 
     def contexts(self) -> tuple[_Phase, _Phase]:
         """``torch.utils.checkpoint``'s ``context_fn`` result: (forward, replay)."""
@@ -266,7 +267,7 @@ class ScopedRegion(MarkerState):
     # -- segments -----------------------------------------------------------------------------
 
     def _watching(self) -> bool:
-        if self.watch_all or self.kept:
+        if self.watch_all or self.current_kept is not None:
             return True
         return self.layout is not None and self.segment in self.layout.routing_segments
 
@@ -276,14 +277,14 @@ class ScopedRegion(MarkerState):
                 self._expose()
                 return
             self.watched[self.segment] = []
-            self.mode = _ForwardMode(self)
+            self.mode = _SegmentMode(self.run_forward_op)
             if self.outer_pack is not None:
                 outer_pack, outer_unpack = self.outer_pack
                 packed = self.packed
 
                 saved_in = None
                 if self.relearn:
-                    saved_in = self.saved_in.setdefault(self.kept[-1] if self.kept else None, {})
+                    saved_in = self.saved_in.setdefault(self.current_kept, {})
 
                 def pack(tensor: torch.Tensor) -> Any:
                     if type(tensor) is torch.Tensor:
@@ -301,7 +302,7 @@ class ScopedRegion(MarkerState):
             if entries is None:
                 return
             self.replay_entries, self.cursor = entries, 0
-            self.mode = _ReplayMode(self)
+            self.mode = _SegmentMode(self.run_replay_op)
             self.mode.__enter__()
 
     def _close_segment(self) -> None:
@@ -333,14 +334,31 @@ class ScopedRegion(MarkerState):
             super().on_marker(marker)
             return
         self._close_segment()
-        if not self.watch_all and self.layout is not None:
-            position = len(self.marker_names)
-            if position >= len(self.layout.markers) or self.layout.markers[position] != marker:
-                # Not the path learnt: watch everything from here on, and relearn.
-                self.watch_all = self.relearn = True
+        layout, position = self.layout, len(self.marker_names)
+        on_path = (
+            not self.watch_all
+            and layout is not None
+            and position < len(layout.markers)
+            and layout.markers[position] == marker
+        )
+        if not on_path and not self.watch_all:
+            # Not the path learnt: watch everything from here on, and relearn. The marker
+            # state machine, skipped while on the (already validated) path, catches up first.
+            self.watch_all = self.relearn = True
+            self.left_path_at = self.segment
+            for earlier in self.marker_names:
+                self.op_count += 1  # none of the intervals closed here ran idle
+                super().on_marker(earlier)
         self.marker_names.append(marker)
         self.segment += 1
-        super().on_marker(marker)
+        if on_path:
+            self.current_kept = layout.kept[self.segment]
+            if marker == LAYER_END:
+                self.finished = True
+        else:
+            super().on_marker(marker)
+            self.current_kept = self.kept[-1] if self.kept else None
+        self.segment_kept.append(self.current_kept)
         if marker == LAYER_END:
             self._end_forward()
         else:
@@ -364,10 +382,12 @@ class ScopedRegion(MarkerState):
         routing = self.policy.save_collectives and always_saved(traits, args, kwargs)
         if always_replayed(traits, args, kwargs):
             kept = None
-        elif self.kept and (traits.expensive or routing or self._reads_held(args, kwargs)):
+        elif self.current_kept is not None and (
+            traits.expensive or routing or self._reads_held(args, kwargs)
+        ):
             # (A cheap op whose inputs the replay recomputes anyway reruns: holding its output
             # would cost memory to save a little elementwise work.)
-            kept = self.kept[-1]
+            kept = self.current_kept
         elif routing:
             kept = _ROUTING
             self.routing_segments.add(self.segment)
@@ -421,7 +441,9 @@ class ScopedRegion(MarkerState):
                         held.mutated_by = func
                         raise self._mutation(held)
                 continue
-            self.pinned.add(storage)
+            if storage not in self.pinned:
+                saved = self._saved_so_far()
+                self.pinned[storage] = -1 if saved is None else saved
 
     def _hold(self, func, out, interval: MarkerInterval | None, always: bool) -> None:
         # Routing, collective and device-to-host outputs are held whatever reads them, and so are
@@ -436,7 +458,7 @@ class ScopedRegion(MarkerState):
                 if key not in self.refs:
                     # A new storage: what was packed or pinned at this address before is gone.
                     self.packed.discard(key)
-                    self.pinned.discard(key)
+                    self.pinned.pop(key, None)
                 alias = _detach(leaf)
                 held = HeldOutput(
                     value=alias,
@@ -466,34 +488,34 @@ class ScopedRegion(MarkerState):
 
     def _sweep_pending(self) -> None:
         # Before each kept op: let the current segment's outputs nobody references go at once.
-        read = self.packed
-        pinned = self.pinned
+        packed, pinned = self.packed, self.pinned
         for storage, outputs in list(self.pending.items()):
-            if storage in read or storage in pinned:
+            if storage in packed:
                 self._keep(outputs)
-            elif self._dead(storage):
+            elif storage not in pinned and self._dead(storage):
                 self._drop(outputs)
             else:
                 continue
             del self.pending[storage]
 
     def _sweep(self, closing: bool) -> None:
-        # Settle what the watched ops so far prove: read (packed or pinned), or unreferenced.
-        read = self.packed | self.pinned
+        # Settle what the watched ops so far prove: saved by autograd (held), or unreferenced
+        # and unread (dropped). Outputs a rerun op read are settled when the forward ends.
+        packed, pinned, exposed = self.packed, self.pinned, self.exposed
         for storage, outputs in list(self.pending.items()):
-            if storage in read:
+            if storage in packed:
                 self._keep(outputs)
-            elif self._dead(storage):
+            elif storage not in pinned and self._dead(storage):
                 self._drop(outputs)
             elif closing:
-                self.undecided[storage] = outputs
+                self.undecided.setdefault(storage, []).extend(outputs)
             else:
                 continue
             del self.pending[storage]
         for storage, outputs in list(self.undecided.items()):
-            if storage in read:
+            if storage in packed:
                 self._keep(outputs)
-            elif storage not in self.exposed and self._dead(storage):
+            elif storage not in exposed and storage not in pinned and self._dead(storage):
                 self._drop(outputs)
             else:
                 continue
@@ -539,18 +561,27 @@ class ScopedRegion(MarkerState):
         self._sweep(closing=False)
         saved = self._saved_so_far()
         for storage, outputs in self.undecided.items():
-            exposed_at = self.exposed.get(storage)
-            # Kept only if an unwatched segment it was exposed to reruns before the replay stops.
-            if exposed_at is not None and (saved is None or exposed_at < 0 or exposed_at < saved):
+            # Held only if a rerun op read it, or an unwatched segment it was exposed to runs,
+            # before the replay stops (at the last saved tensor).
+            reads = [c for c in (self.exposed.get(storage), self.pinned.get(storage)) if c is not None]
+            if reads and (saved is None or min(reads) < saved):  # (-1: unknown, so held)
                 self._keep(outputs)
-            else:
-                self._drop(outputs)
+                continue
+            self._drop(outputs)
         self.undecided.clear()
         self.held = [h for h in self.held if h.value is not None]
         if self.relearn:
-            inert = frozenset(range(self.segment + 1)) - self.busy_segments
-            layout = LearntLayout(tuple(self.marker_names), frozenset(self.routing_segments), inert)
-            self.policy.learn_layout(self.layer_name, layout)
+            # Inert: watched here and ran only views, or known inert before this call left the path.
+            inert = {s for s in self.watched if s not in self.busy_segments}
+            if self.layout is not None:
+                inert |= {s for s in self.layout.inert_segments if s <= self.left_path_at}
+            layout = LearntLayout(
+                markers=tuple(self.marker_names),
+                kept=tuple(self.segment_kept),
+                routing_segments=frozenset(self.routing_segments),
+                inert_segments=frozenset(inert),
+            )
+            self.policy.learn_layout(self.layer, layout)
         self.report = self._held_report()
         offloaded = self.policy.offload_intervals
         if offloaded:
@@ -622,7 +653,9 @@ class ScopedRegion(MarkerState):
             return leaf
         value = leaf.value
         if value is None:
-            return _placeholder(leaf.meta)
+            placeholder, key = _placeholder(leaf.meta)
+            self.placeholders.append(key)
+            return placeholder
         if not leaf.offloaded and value._version != leaf.version:
             what = (
                 "a routing or collective output held for backward,"
@@ -641,6 +674,10 @@ class ScopedRegion(MarkerState):
         self._close_segment()
         # The frame holds this region (through its replay context): no cycle past the forward.
         self.frame = self.outer_pack = None
+        if self.phase == "replay":
+            for key in self.placeholders:
+                _PLACEHOLDERS.storages.pop(key, None)
+            self.placeholders.clear()
         if self.phase == "replay" or failed:
             # Served or not, nothing is held past the replay (or past a failed forward).
             for held in self.held:

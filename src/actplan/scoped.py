@@ -148,10 +148,10 @@ def _placeholder(meta: tuple) -> tuple[torch.Tensor, int]:
     # NaN-filled: a read the engine cannot see (a kernel reading raw memory) shows up as NaN,
     # never as a silently wrong gradient. Only floating-point outputs are ever dropped.
     size, stride, dtype, device = meta
-    out = torch.empty_strided(size, stride, dtype=dtype, device=device).fill_(float("nan"))
+    out = torch.empty_strided(size, stride, dtype=dtype, device=device)
     storage = out.untyped_storage()
     _PLACEHOLDERS.storages[storage._cdata] = StorageWeakRef(storage)
-    return out, storage._cdata
+    return out.fill_(float("nan")), storage._cdata
 
 
 def _tensor_args(args: tuple, kwargs: dict):

@@ -118,6 +118,10 @@ class _RecomputeChecker(TorchDispatchMode):
         if phase == "forward":
             self.forward_ops[layer].append((func, [t.detach().clone() for t in tensors]))
             return out
+        if any(is_placeholder(t) for t in tensors):
+            # The stand-in for an output nothing reads (its fill, views of it, writes into it):
+            # its values are meaningless by design, so it is not compared.
+            return out
         recorded = self.forward_ops.get(layer, [])
         position = self.cursor.get(layer, 0)
         while position < len(recorded) and recorded[position][0] is not func:
@@ -130,10 +134,6 @@ class _RecomputeChecker(TorchDispatchMode):
             )
             return out
         self.cursor[layer] = position + 1
-        if any(is_placeholder(t) for t in tensors):
-            # A view of (or a write into) the stand-in for an output nothing reads: its values
-            # are meaningless by design, so it is not compared.
-            return out
         outputs = [t.detach().clone() for t in tensors]
         self.compared += 1
         for original, again in zip(recorded[position][1], outputs, strict=False):

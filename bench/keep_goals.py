@@ -79,10 +79,10 @@ def evaluate(results: Path = RESULTS) -> list[dict[str, Any]]:
         ("moe_small", "megatron-selective", 0.90, "moe small: `megatron-selective` at most 0.90x `none`"),
     ]
     for stem, preset, limit, text in targets:
-        if stem in reports:
+        if stem in reports and preset in _rows(reports[stem]):
             value = _share(reports[stem], preset)
             goals.append({"goal": text, "value": value, "met": value <= limit})
-    if "hf-llama_small" in reports:
+    if "hf-llama_small" in reports and {"attn", "full"} <= set(_rows(reports["hf-llama_small"])):
         report = reports["hf-llama_small"]
         value = _share(report, "attn") / _share(report, "full")
         text = "hf-llama small: `attn` within 1.5x of what `full` keeps"

@@ -87,6 +87,15 @@ def test_explain_prints_the_plan(capsys):
     assert "qkv_proj, attn_core, attn_proj, mlp_up" in out
 
 
+def test_explain_measure_reports_held_bytes_per_layer_and_unit(capsys):
+    assert main(["explain", "--model", "dense", "--size", "tiny", "--config", "matmuls", "--measure"]) == 0
+    out = capsys.readouterr().out
+    assert "held per kept unit" in out and "autograd keeps KiB" in out
+    for unit in ("qkv_proj", "attn_core", "attn_proj", "mlp_up"):
+        assert unit in out
+    assert "layers.1" in out
+
+
 def test_explain_reports_config_errors(tmp_path, capsys):
     bad = tmp_path / "bad.yaml"
     bad.write_text("mode: selective\nkeep: [attn_core, moe_router]\n")

@@ -12,7 +12,7 @@ import actplan
 from actplan.boundary import apply_gradient_checkpointing
 from actplan.markers import checkpoint_record
 from actplan.measure import MemoryMeter, OpCounter, capture_step, compare_steps
-from actplan.models import build_model
+from actplan.models import build_model, load_model
 from actplan.policy import IntervalPolicy
 from actplan.units import MarkerInterval, RecomputeIntervalMap
 
@@ -40,9 +40,14 @@ def _activation_bytes(model, batch):
     return meter.report().marks["forward_end"].activation_bytes
 
 
-@pytest.fixture(scope="module", params=["dense", "moe", "mtp", "sparse"])
+MODELS = ["dense", "moe", "mtp", "sparse", "hf-llama", "hf-qwen3", "hf-qwen3-moe"]
+
+
+@pytest.fixture(scope="module", params=MODELS)
 def reference(request):
-    bundle = build_model(request.param, "tiny")
+    if request.param.startswith("hf-"):
+        pytest.importorskip("transformers")
+    bundle = load_model(request.param, "tiny")
     batch = bundle.make_batch(0)
     none = copy.deepcopy(bundle.model)
     return bundle, batch, _step(none, batch), _activation_bytes(none, batch)

@@ -230,3 +230,8 @@ def main() -> None:
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     main()
+    # gloo on torch 2.13 sometimes aborts in C++ while the interpreter shuts down, after all
+    # work is done (docs/concepts.md, Known limits): leave without that teardown.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

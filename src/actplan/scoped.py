@@ -28,7 +28,7 @@ What is held
     What is still referenced when its segment closes is held, unless no tensor was saved
     for backward after that point: the replay stops at the last saved tensor
     (``early_stop``), so nothing after it reruns. A dropped output costs nothing: in the
-    replay its op is neither rerun nor served, a placeholder of the same shape stands in,
+    replay its op is neither rerun nor served, a NaN-filled placeholder of the same shape stands in,
     and no op that reads a placeholder's value runs before the replay stops.
 
 The replay serves each held output once (then lets it go) and refuses a second
@@ -90,7 +90,6 @@ class HeldOutput:
     meta: tuple  # (size, stride, dtype, device) for the placeholder
     producer: Any  # the op
     mutated_by: Any = None  # an in-place op seen writing into it
-    served: bool = False
     offloaded: bool = False
 
 
@@ -254,7 +253,6 @@ class ScopedRegion(MarkerState):
         # while it was open, and the storages its kept ops produced (both with their sizes).
         self.saved_in: dict[MarkerInterval | None, dict[int, int]] = {}
         self.produced: dict[MarkerInterval | None, dict[int, int]] = {}
-        self.report: HeldReport | None = None
         self.replay_entries: list[_Entry] = []
         self.cursor = 0
         self.replayed = False
@@ -582,7 +580,7 @@ class ScopedRegion(MarkerState):
                 inert_segments=frozenset(inert),
             )
             self.policy.learn_layout(self.layer, layout)
-        self.report = self._held_report()
+        report = self._held_report()
         offloaded = self.policy.offload_intervals
         if offloaded:
             engine = self.policy.offloader
@@ -593,7 +591,7 @@ class ScopedRegion(MarkerState):
                         moved = engine.offload(held.value, group)
                         if moved is not held.value:
                             held.value, held.offloaded = moved, True
-        self.policy.record_held(self.layer_name, self.report)
+        self.policy.record_held(self.layer_name, report)
 
     def _held_report(self) -> HeldReport:
         report = HeldReport()
@@ -667,7 +665,7 @@ class ScopedRegion(MarkerState):
                 "was changed in place after the forward computed it; backward "
                 "would read the changed values. Write that update out-of-place, or do not keep that unit."
             )
-        leaf.value, leaf.served = None, True
+        leaf.value = None  # handed to backward once
         return value
 
     def end_phase(self, failed: bool) -> None:

@@ -219,10 +219,25 @@ class DecoderLayer(nn.Module):
         return {"hidden_states": self.mlp(self.attn(hidden_states, freqs_cis))}
 
 
+class SeededGenerators:
+    """One seeded generator per device, made on first use: a model built on a GPU (under
+    ``with torch.device("cuda"):``) draws its init there instead of on the host; on the CPU the
+    draws are those of a single CPU generator."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+        self._by_device: dict[torch.device, torch.Generator] = {}
+
+    def __call__(self, device: torch.device) -> torch.Generator:
+        if device not in self._by_device:
+            self._by_device[device] = torch.Generator(device).manual_seed(self.seed)
+        return self._by_device[device]
+
+
 def init_weights(model: nn.Module, depth: int, seed: int = 0) -> None:
     """Seeded init shared by the reference models: RMSNorm weights at one, the
     residual-branch output projections at 0.02 / sqrt(2 * depth), the rest at 0.02."""
-    gen = torch.Generator().manual_seed(seed)
+    generator = SeededGenerators(seed)
     norms = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm)}
     residual_std = 0.02 / math.sqrt(2 * depth)
     with torch.no_grad():
@@ -231,7 +246,7 @@ def init_weights(model: nn.Module, depth: int, seed: int = 0) -> None:
                 param.fill_(1.0)
             else:
                 std = residual_std if name.endswith(("o_proj.weight", "down_proj.weight")) else 0.02
-                param.normal_(0.0, std, generator=gen)
+                param.normal_(0.0, std, generator=generator(param.device))
 
 
 class ModelOutput(TypedDict):

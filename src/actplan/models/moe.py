@@ -29,6 +29,7 @@ from actplan.models.dense import (
     DecoderLayer,
     DenseConfig,
     RMSNorm,
+    SeededGenerators,
     preset_config,
     rope_frequencies,
 )
@@ -312,7 +313,7 @@ class MoEModel(nn.Module):
 
     def reset_parameters(self, seed: int = 0) -> None:
         """Seeded init; an expert gets the same weights whichever rank holds it."""
-        gen = torch.Generator().manual_seed(seed)
+        generator = SeededGenerators(seed)
         ep = self.expert_group
         std_out = 0.02 / math.sqrt(2 * self.config.n_layers)
         with torch.no_grad():
@@ -323,12 +324,11 @@ class MoEModel(nn.Module):
                 std = std_out if name.endswith(("o_proj.weight", "down_proj.weight", "w_down")) else 0.02
                 if name.endswith(("w_gate", "w_up", "w_down")):
                     # Draw every expert, keep this rank's slice.
-                    full = torch.empty(self.config.n_experts, *param.shape[1:]).normal_(
-                        0.0, std, generator=gen
-                    )
+                    full = torch.empty(self.config.n_experts, *param.shape[1:], device=param.device)
+                    full.normal_(0.0, std, generator=generator(param.device))
                     param.copy_(full[ep.first : ep.first + ep.n_local])
                 else:
-                    param.normal_(0.0, std, generator=gen)
+                    param.normal_(0.0, std, generator=generator(param.device))
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> MoEOutput:
         seq = input_ids.shape[1]

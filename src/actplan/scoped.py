@@ -91,6 +91,7 @@ class HeldOutput:
     producer: Any  # the op
     mutated_by: Any = None  # an in-place op seen writing into it
     offloaded: bool = False
+    routing: bool = False  # a routing/collective output: held whatever reads it
 
 
 @dataclass(eq=False)
@@ -436,12 +437,32 @@ class ScopedRegion(MarkerState):
                     held.mutated_by = held.mutated_by or func
                 for held in self.held:
                     if held.storage == storage and held.mutated_by is None:
+                        if held.routing:
+                            self._copy_before_write(held)
+                            continue
                         held.mutated_by = func
                         raise self._mutation(held)
                 continue
             if storage not in self.pinned:
                 saved = self._saved_so_far()
                 self.pinned[storage] = -1 if saved is None else saved
+
+    def _copy_before_write(self, held: HeldOutput) -> None:
+        # A routing output changed in place after it is held (top-k weights normalised with
+        # `/=`, as many Hugging Face routers do): the replay is served a copy taken before the
+        # write and reruns the write on it, so it sees what the forward saw. Routing outputs
+        # are small (tokens x k); other held outputs stay an error (see ``_mutation``).
+        value = held.value.clone()
+        count = self.refs[held.storage] - 1
+        if count:
+            self.refs[held.storage] = count
+        else:
+            del self.refs[held.storage]
+        storage = value.untyped_storage()
+        held.value, held.storage, held.version = value, storage._cdata, value._version
+        held.nbytes = storage.nbytes()
+        self.refs[held.storage] = self.refs.get(held.storage, 0) + 1
+        self.routing_segments.add(self.segment)  # learnt: later calls watch this write too
 
     def _hold(self, func, out, interval: MarkerInterval | None, always: bool) -> None:
         # Routing, collective and device-to-host outputs are held whatever reads them, and so are
@@ -466,6 +487,7 @@ class ScopedRegion(MarkerState):
                     version=alias._version,
                     meta=(alias.size(), alias.stride(), alias.dtype, alias.device),
                     producer=func,
+                    routing=always,
                 )
                 self.refs[key] = self.refs.get(key, 0) + 1
                 if self.relearn:

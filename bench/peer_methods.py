@@ -29,8 +29,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from actplan.apply import find_layers
+from actplan.apply import apply, find_layers
 from actplan.bench import checkpoint_every_layer
+from actplan.config import RecomputeConfig
 from actplan.models.dense import Attention, SwiGLU, apply_rope, dropout
 from actplan.models.moe import MoE
 
@@ -262,3 +263,155 @@ def remat_version() -> str:
     from importlib.metadata import version
 
     return version("torch_remat")
+
+
+# -- torchtitan's own activation checkpointing ------------------------------------------------
+
+
+def titan_import_error() -> str | None:
+    """Why torchtitan's AC module cannot be imported here, or None when it can."""
+    try:
+        import torchtitan.distributed.activation_checkpoint  # noqa: F401
+    except Exception as err:  # any failure to import makes the peer unavailable, with its text
+        return f"{type(err).__name__}: {err}"
+    return None
+
+
+def titan_version() -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("torchtitan")
+    except PackageNotFoundError:
+        return None
+
+
+def titan_sac_installer(model: nn.Module) -> str:
+    """torchtitan's own ``SelectiveAC`` (its default config) applied to ``model.layers``.
+
+    Its save list names the GPU attention kernels; ``get_save_ops``, the extension point
+    torchtitan documents for this, adds the CPU kernel so attention is kept here as it would be
+    on a GPU. torchtitan wraps each layer in ``checkpoint_wrapper`` modules, which prefix the
+    parameter names; the bench compares gradients under the unwrapped names.
+    """
+    from torchtitan.distributed.activation_checkpoint import SelectiveAC
+
+    class SelectiveACOnCPU(SelectiveAC):
+        def get_save_ops(self) -> set:
+            return super().get_save_ops() | ATTENTION_KERNELS
+
+    SelectiveACOnCPU(SelectiveAC.Config()).apply(model)
+    return (
+        f"torchtitan {titan_version()} SelectiveAC, default config (compute-intensive ops, attention, "
+        "collectives, every other mm), CPU attention kernel added to its save list"
+    )
+
+
+# -- torch.compile's activation memory budget ---------------------------------------------------
+
+COMPILE_BACKEND = "aot_eager"
+"""The backend of every compiled row. Its AOTAutograd partitioner is the one Inductor uses
+(``min_cut_rematerialization_partition``, which reads ``activation_memory_budget``), and its
+graphs run aten ops, so the bench's memory meter sees every allocation they make; Inductor's
+kernels on a CPU would be faster but their buffers are not visible to the meter."""
+
+COMPILE_BUDGETS = (0.1, 0.3, 0.5, 0.7, 1.0)
+"""``torch._functorch.config.activation_memory_budget`` values benched; 1.0 is the default
+(the partitioner optimises runtime alone, and already recomputes cheap ops)."""
+
+
+def _budget_backend(budget: float) -> Callable:
+    """``aot_eager`` partitioning under ``activation_memory_budget=budget``.
+
+    The partitioner reads the budget when it splits the joint graph, during compilation, so the
+    patch sits around compilation itself: a recompile later (another shape) gets it too.
+    """
+    from torch._dynamo.backends.debugging import aot_eager
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Callable:
+        with torch._functorch.config.patch(activation_memory_budget=budget):
+            return aot_eager(gm, example_inputs)
+
+    return backend
+
+
+def _call(forward: Callable, *args: Any, **kwargs: Any) -> Any:
+    return forward(*args, **kwargs)
+
+
+def compile_layers(model: nn.Module, backend: str | Callable, *, fullgraph: bool) -> None:
+    """Compile every layer's forward through one ``torch.compile`` call for this model.
+
+    Dynamo caches compiled graphs on the code object and does not tell backends apart, so a
+    second model of the same class would reuse the first one's graphs, compiled under the first
+    one's budget. ``isolate_recompiles=True`` gives this model's call its own cache: its layers
+    share graphs with each other (as ``layer.compile`` would) and with no other model.
+    """
+    compiled = torch.compile(_call, backend=backend, fullgraph=fullgraph, isolate_recompiles=True)
+    for _, layer in find_layers(model):
+        forward = layer.forward
+
+        def wrapped(*args, _forward=forward, **kwargs):
+            return compiled(_forward, *args, **kwargs)
+
+        layer.forward = wrapped
+
+
+def compile_budget_installer(budget: float, *, fullgraph: bool) -> Callable[[nn.Module], str]:
+    """Each layer compiled with ``activation_memory_budget=budget``; no checkpointing."""
+
+    def install(model: nn.Module) -> str:
+        compile_layers(model, _budget_backend(budget), fullgraph=fullgraph)
+        return (
+            f"torch.compile per layer ({COMPILE_BACKEND}, fullgraph={fullgraph}), "
+            f"torch._functorch.config.activation_memory_budget={budget}"
+        )
+
+    return install
+
+
+def compiled_actplan_installer(config: RecomputeConfig) -> Callable[[nn.Module], str]:
+    """actplan's plan, then every layer compiled with ``fullgraph=True`` (docs/compile.md)."""
+
+    def install(model: nn.Module) -> str:
+        summary = apply(model, config).summary()
+        compile_layers(model, COMPILE_BACKEND, fullgraph=True)
+        return f"{summary}\nlayers compiled ({COMPILE_BACKEND}, fullgraph=True)"
+
+    return install
+
+
+# -- rockmate -----------------------------------------------------------------------------------
+
+
+def rockmate_unavailable(model: nn.Module, batch: dict[str, torch.Tensor]) -> str:
+    """Why rockmate gives no row: its import error, or the error its graph builder raises on
+    ``model`` (given the loss alone as output, as its tracer requires)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        import rockmate
+    except Exception as err:
+        try:
+            installed = f"rockmate {version('rockmate')} is installed but "
+        except PackageNotFoundError:
+            installed = ""
+        return f"{installed}import rockmate fails: {type(err).__name__}: {err}"
+
+    class LossOnly(nn.Module):
+        def __init__(self, inner: nn.Module) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, **inputs: torch.Tensor) -> torch.Tensor:
+            return self.inner(**inputs)["loss"]
+
+    try:
+        rockmate.Rockmate(LossOnly(model), batch, budget=2**30)
+    except Exception as err:
+        message = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        return f"rockmate {version('rockmate')} cannot build its graph: {type(err).__name__}: {message}"
+    return (
+        f"rockmate {version('rockmate')} builds a schedule for this model, but the bench has no "
+        "adapter that trains with a Rockmate module yet"
+    )

@@ -60,16 +60,24 @@ from actplan.bench import (
 )
 from actplan.budget import get_profile, pareto_points
 from actplan.config import RecomputeConfig
-from actplan.measure import interleaved_timing
+from actplan.measure import compare_steps, interleaved_timing
 from actplan.models import build_model
 from actplan.plan import format_indices
 from actplan.planner import BudgetError, PlanProblem, solve
 from actplan.profile import ModelProfile, config_for
 from bench.peer_methods import (
+    COMPILE_BACKEND,
+    COMPILE_BUDGETS,
+    compile_budget_installer,
+    compiled_actplan_installer,
     op_sac_matmuls_installer,
     remat_installer,
     remat_version,
+    rockmate_unavailable,
+    titan_import_error,
     titan_op_sac_installer,
+    titan_sac_installer,
+    titan_version,
 )
 
 RESULTS = Path("bench/results")
@@ -93,6 +101,30 @@ MEGATRON_CHOICES: dict[str, tuple[tuple[str, ...], ...]] = {
 """The Megatron choices benched per model: its default, and the common memory-saving sets."""
 
 ACTPLAN_PRESETS = ("full", "attn", "matmuls", *OFFLOAD_VARIANTS)
+COMPILED_PRESETS = ("full", "attn", "matmuls")
+"""actplan presets also run with compiled layers, next to the compiled peers (offload is eager-only)."""
+COMPILED_MODELS = ("dense",)
+"""Models whose layers compile with ``fullgraph=True``; MoE layers split tokens per expert with
+``.tolist()``, so their compiled peers run with graph breaks and actplan's layers stay eager."""
+COMPILE_GRAD_FLOOR_FACTOR = 4.0
+COMPILE_GRAD_FLOOR_SLACK = 1e-7
+COMPILE_LOSS_ATOL = 1e-6
+"""Parity of a compiled row (docs/compile.md): loss within 1e-6 of ``none``; every gradient within
+4x the compile noise floor (``none`` compiled against ``none`` eager, this run) plus 1e-7."""
+AUTOMATIC_PEER_GAIN = 0.10
+"""Goal: at an automatic peer's peak, actplan's best row has a step-time ratio at least 10% lower."""
+
+
+def titan_entry() -> tuple[str, Installer, str]:
+    """torchtitan's own SelectiveAC when it imports; else the re-statement of its rule, with why."""
+    error = titan_import_error()
+    if error is None:
+        return "titan-sac", titan_sac_installer, f"torchtitan {titan_version()}, its own SelectiveAC"
+    return "titan-op-sac", titan_op_sac_installer, f"re-statement of torchtitan's rule ({error})"
+
+
+def compile_peer_name(budget: float) -> str:
+    return f"compile[budget={budget}]"
 
 
 def megatron_installer(modules: tuple[str, ...]) -> Installer:
@@ -120,9 +152,10 @@ def megatron_installer(modules: tuple[str, ...]) -> Installer:
 
 
 def peer_entries(model: str) -> list[tuple[str, Installer]]:
+    titan_name, titan_install, _ = titan_entry()
     entries: list[tuple[str, Installer]] = [
         (TORCH_CHECKPOINT, torch_checkpoint_installer),
-        ("titan-op-sac", titan_op_sac_installer),
+        (titan_name, titan_install),
         *((f"remat-{preset}", remat_installer(preset)) for preset in ("full", "attn", "matmuls")),
     ]
     for modules in MEGATRON_CHOICES.get(model, ()):
@@ -193,8 +226,8 @@ def plan_rows(profile: ModelProfile, peers: list[Contender]) -> tuple[list[Plann
 def compare(rows: list[PolicyRow], kinds: dict[str, str], by: str) -> list[dict[str, Any]]:
     """Per peer: the fastest actplan row at no more memory (``by``: peak or activation bytes)."""
     out = []
-    ours = [r for r in rows if kinds[r.name] in ("preset", "plan") and r.parity_ok]
-    for peer in (r for r in rows if kinds[r.name] == "peer"):
+    ours = [r for r in rows if kinds[r.name] in ("preset", "plan", "compiled") and r.parity_ok]
+    for peer in (r for r in rows if kinds[r.name] in ("peer", "automatic-peer")):
         limit = getattr(peer, by) * (1 + SAME_MEMORY)
         fitting = [r for r in ours if getattr(r, by) <= limit]
         entry: dict[str, Any] = {
@@ -203,9 +236,11 @@ def compare(rows: list[PolicyRow], kinds: dict[str, str], by: str) -> list[dict[
             "peer_ratio": peer.ratio_to_none,
         }
         entry["peer_spread"] = peer.ratio_spread
+        entry["automatic"] = kinds[peer.name] == "automatic-peer"
         for label, pool in (
             ("best", fitting),
             ("best_recompute_only", [r for r in fitting if r.offloaded_bytes is None]),
+            ("best_compiled", [r for r in fitting if kinds[r.name] == "compiled"]),
         ):
             if not pool:
                 entry[label] = None
@@ -238,6 +273,17 @@ def evaluate_goals(comparisons: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "met": bool(best and best["at_least_as_fast"]),
             }
         )
+        if c.get("automatic"):
+            value = best["ratio_vs_peer"] if best else None
+            goals.append(
+                {
+                    "goal": f"at {c['peer']}'s peak, an actplan row at least "
+                    f"{AUTOMATIC_PEER_GAIN:.0%} faster (ratio to none at most "
+                    f"{1 - AUTOMATIC_PEER_GAIN:.2f}x the peer's)",
+                    "value": value,
+                    "met": value is not None and value <= 1 - AUTOMATIC_PEER_GAIN,
+                }
+            )
         if c["peer"] == TORCH_CHECKPOINT:
             cut = best["overhead_cut"] if best else None
             goals.append(
@@ -262,7 +308,6 @@ OVERHEAD_ROWS: tuple[tuple[str, Callable[[], Installer]], ...] = (
     ("matmuls", lambda: config_installer(RecomputeConfig.from_preset("matmuls"))),
     ("remat-matmuls", lambda: remat_installer("matmuls")),
     ("op-sac-matmuls", lambda: op_sac_matmuls_installer),
-    ("titan-op-sac", lambda: titan_op_sac_installer),
 )
 OVERHEAD_PAIRS = (
     ("full", TORCH_CHECKPOINT),
@@ -270,10 +315,10 @@ OVERHEAD_PAIRS = (
     ("attn", "remat-attn"),
     ("matmuls", "remat-matmuls"),
     ("matmuls", "op-sac-matmuls"),
-    ("matmuls", "titan-op-sac"),
 )
-"""(actplan row, peer row) pairs whose per-layer CPU overheads are compared; the first three
-peers save the same regions as actplan, ``titan-op-sac`` saves a different set."""
+"""(actplan row, peer row) pairs whose per-layer CPU overheads are compared; these peers save the
+same regions as actplan. The torchtitan row (``titan_entry``), which saves a different set, is
+added to the rows and paired with ``matmuls``."""
 
 
 def cpu_overhead(
@@ -287,9 +332,9 @@ def cpu_overhead(
     bundle = build_model(model, "tiny", n_layers=layers)
     batch = bundle.make_batch(0)
     device = torch.device("cpu")
-    contenders = []
-    for name, make in OVERHEAD_ROWS:
-        contenders.append(prepare_contender(bundle, name, make(), batch, device))
+    titan_name, titan_install, _ = titan_entry()
+    rows = [*((name, make()) for name, make in OVERHEAD_ROWS), (titan_name, titan_install)]
+    contenders = [prepare_contender(bundle, name, install, batch, device) for name, install in rows]
     parity = {
         r.name: r.parity_ok
         for r in policy_rows(contenders, time_contenders(contenders, batch, repeats=1, warmup=0))
@@ -319,7 +364,7 @@ def cpu_overhead(
             "q75": extra[(3 * len(extra)) // 4],
         }
     pairs = []
-    for ours, peer in OVERHEAD_PAIRS:
+    for ours, peer in (*OVERHEAD_PAIRS, ("matmuls", titan_name)):
         value = per_layer_us[ours]["median"] / per_layer_us[peer]["median"]
         pairs.append({"actplan": ours, "peer": peer, "ratio": value, "met": value <= 1.0})
     return {
@@ -353,11 +398,19 @@ def run_model(
     overhead_repeats: int,
     cache_dir: Path | None,
     progress: Callable[[str], None],
+    compile_budgets: tuple[float, ...] = COMPILE_BUDGETS,
 ) -> dict[str, Any]:
     bundle = build_model(model, size)
     batch = bundle.make_batch(0)
     device = torch.device("cpu")
     kinds: dict[str, str] = {"none": "baseline"}
+    rockmate_reason = rockmate_unavailable(bundle.model, batch)
+    skipped: list[dict[str, str]] = [{"peer": "rockmate", "reason": rockmate_reason}]
+    titan_name, _, titan_source = titan_entry()
+    if titan_name != "titan-sac":
+        skipped.append({"peer": "torchtitan's own AC", "reason": titan_source})
+    for entry in skipped:
+        progress(f"{model} {size}: skipping {entry['peer']}: {entry['reason']}")
     entries: list[tuple[str, Installer]] = [("none", config_installer(RecomputeConfig.from_preset("none")))]
     for name, install in peer_entries(model):
         entries.append((name, install))
@@ -370,16 +423,47 @@ def run_model(
         progress(f"{model} {size}: parity and memory of {name}")
         contenders.append(prepare_contender(bundle, name, install, batch, device))
 
+    compiled_layers = model in COMPILED_MODELS
+    compile_floor = None
+    if compile_budgets:
+        compiled_entries = [
+            (compile_peer_name(b), compile_budget_installer(b, fullgraph=compiled_layers), "automatic-peer")
+            for b in sorted(set(compile_budgets) | {1.0}, reverse=True)  # 1.0 first: the noise floor
+        ]
+        if compiled_layers:
+            compiled_entries += [
+                (f"{preset}, compiled", compiled_actplan_installer(policy_config(preset)), "compiled")
+                for preset in COMPILED_PRESETS
+            ]
+        for name, install, kind in compiled_entries:
+            progress(f"{model} {size}: compile, parity and memory of {name}")
+            contender = prepare_contender(bundle, name, install, batch, device, compiled=True)
+            if compile_floor is None:
+                compile_floor = compare_steps(contenders[0].capture, contender.capture).max_abs_grad_diff
+            _allow_compile_noise(contender, compile_floor)
+            contenders.append(contender)
+            kinds[name] = kind
+
     progress(f"{model} {size}: profile (cached after the first run)")
     profile, cached = get_profile(
         bundle, model, device, cache_dir=cache_dir, progress=lambda s: progress("  " + s)
     )
-    planned, infeasible = plan_rows(profile, [c for c in contenders if kinds[c.name] == "peer"])
+    peers = [c for c in contenders if kinds[c.name] in ("peer", "automatic-peer")]
+    planned, infeasible = plan_rows(profile, peers)
     for plan in planned:
         progress(f"{model} {size}: parity and memory of {plan.name}")
         config = RecomputeConfig.from_dict(plan.config, source=plan.name)
         contenders.append(prepare_contender(bundle, plan.name, config_installer(config), batch, device))
         kinds[plan.name] = "plan"
+        automatic = any(kinds[peer] == "automatic-peer" for peer in plan.for_peers)
+        if compiled_layers and automatic and not plan.offload_allowed:
+            name = f"{plan.name}, compiled"
+            progress(f"{model} {size}: compile, parity and memory of {name}")
+            install = compiled_actplan_installer(config)
+            contender = prepare_contender(bundle, name, install, batch, device, compiled=True)
+            _allow_compile_noise(contender, compile_floor)
+            contenders.append(contender)
+            kinds[name] = "compiled"
 
     total = len(contenders) * (warmup + repeats)
     done = 0
@@ -409,6 +493,10 @@ def run_model(
         "repeats": repeats,
         "warmup": warmup,
         "profile_from_cache": cached,
+        "torchtitan": titan_source,
+        "compile_backend": COMPILE_BACKEND if compile_budgets else None,
+        "compile_grad_floor": compile_floor,
+        "skipped_peers": skipped,
         "rows": [{**asdict(r), "kind": kinds[r.name]} for r in rows],
         "plans": [asdict(p) for p in planned],
         "budgets_without_a_plan": infeasible,
@@ -419,6 +507,12 @@ def run_model(
         "cpu_overhead": overhead,
         "pareto": [asdict(p) for p in pareto_points(profile)],
     }
+
+
+def _allow_compile_noise(contender: Contender, floor: float) -> None:
+    """Parity tolerances of a compiled row, from the compile noise floor measured in this run."""
+    contender.grad_atol = COMPILE_GRAD_FLOOR_FACTOR * floor + COMPILE_GRAD_FLOOR_SLACK
+    contender.loss_atol = COMPILE_LOSS_ATOL
 
 
 # -- reports -----------------------------------------------------------------------------------
@@ -440,6 +534,18 @@ def to_markdown(out: dict[str, Any]) -> str:
         f"{out['machine']}",
         f"- started: {out['started']}; timing: {out['warmup']} warm-up + {out['repeats']} interleaved "
         "rounds, median and interquartile spread of the ratio to `none`",
+        f"- torchtitan: {out['torchtitan']}",
+    ]
+    if out["compile_backend"]:
+        lines.append(
+            f"- compiled rows: each layer compiled with `backend=\"{out['compile_backend']}\"`; parity "
+            f"allows the loss within {COMPILE_LOSS_ATOL:g} and gradients within "
+            f"{COMPILE_GRAD_FLOOR_FACTOR:g} x {out['compile_grad_floor']:.1e} (the largest gradient "
+            f"difference compiling alone makes, this run) + {COMPILE_GRAD_FLOOR_SLACK:g}"
+        )
+    for entry in out["skipped_peers"]:
+        lines.append(f"- not run: {entry['peer']}: {entry['reason']}")
+    lines += [
         "",
         "## Rows",
         "",
@@ -448,6 +554,8 @@ def to_markdown(out: dict[str, Any]) -> str:
     ]
     for r in sorted(out["rows"], key=lambda r: (r["peak_bytes"], r["ratio_to_none"])):
         parity = "ok" if r["parity_ok"] else "FAILED"
+        if r["grad_atol"]:
+            parity += f" (dgrad {r['max_abs_grad_diff']:.1e})"
         lines.append(
             f"| {r['name']} | {r['kind']} | {parity} | {mib(r['activation_bytes'])} | "
             f"{mib(r['peak_bytes'])} | {r['ratio_to_none']:.3f} ± {r['ratio_spread']:.3f} |"
@@ -472,6 +580,35 @@ def to_markdown(out: dict[str, Any]) -> str:
             lines.append(
                 f"| {c['peer']} | {mib(c['peer_bytes'])} | {c['peer_ratio']:.3f} ± {c['peer_spread']:.3f} | "
                 f"{_fmt_best(c['best'])} | {_fmt_best(c['best_recompute_only'])} |"
+            )
+    automatic = [c for c in out["at_same_peak"] if c.get("automatic")]
+    if automatic:
+        lines += [
+            "",
+            "## Automatic peers: torch.compile's activation_memory_budget",
+            "",
+            "At each budget's measured peak (within "
+            f"{out['same_memory_tolerance']:.1%}): the fastest actplan row of any kind, its ratio to the "
+            f"peer's (goal: at most {1 - AUTOMATIC_PEER_GAIN:.2f}), and the fastest actplan row with "
+            "compiled layers.",
+            "",
+            "| peer | peak (MiB) | peer ratio | actplan row | its ratio | / peer | compiled actplan row "
+            "| its ratio | / peer |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for c in automatic:
+            cells = []
+            for best in (c["best"], c["best_compiled"]):
+                if best is None:
+                    cells.append("none fits | - | -")
+                else:
+                    cells.append(
+                        f"{best['name']} | {best['ratio']:.3f} ± {best['spread']:.3f} | "
+                        f"{best['ratio_vs_peer']:.3f}"
+                    )
+            lines.append(
+                f"| {c['peer']} | {mib(c['peer_bytes'])} | {c['peer_ratio']:.3f} ± {c['peer_spread']:.3f} | "
+                f"{cells[0]} | {cells[1]} |"
             )
     lines += ["", "## Goals", ""]
     for g in out["goals"]:
@@ -532,6 +669,8 @@ def write_plot(out: dict[str, Any], path: Path) -> None:
     styles = {
         "baseline": ("o", "black", "no checkpointing"),
         "peer": ("^", "tab:red", "peers"),
+        "automatic-peer": ("v", "tab:orange", f"torch.compile, activation_memory_budget ({COMPILE_BACKEND})"),
+        "compiled": ("D", "tab:green", "actplan, compiled layers"),
         "preset": ("s", "tab:gray", "actplan presets"),
         "plan": ("*", "tab:blue", "actplan plans at a peer's peak"),
     }
@@ -547,7 +686,7 @@ def write_plot(out: dict[str, Any], path: Path) -> None:
             label=None if r["kind"] in seen else label,
         )
         seen.add(r["kind"])
-        if r["kind"] in ("peer", "baseline"):
+        if r["kind"] in ("peer", "automatic-peer", "baseline"):
             ax.annotate(
                 r["name"],
                 (r["peak_bytes"] / 2**20, r["ratio_to_none"]),
@@ -579,6 +718,12 @@ def main(argv: list[str] | None = None) -> int:
         default=40,
         help="rounds of the tiny-shape CPU overhead timing (0: skip)",
     )
+    parser.add_argument(
+        "--compile-budgets",
+        default=",".join(str(b) for b in COMPILE_BUDGETS),
+        help="activation_memory_budget values of the torch.compile peers, comma-separated; 1.0 (the "
+        "noise-floor row) is always added; an empty string skips every compiled row",
+    )
     parser.add_argument("--cache-dir", help="profile cache (default ~/.cache/actplan/profiles)")
     parser.add_argument("--out", default=str(RESULTS), help="where the results go")
     args = parser.parse_args(argv)
@@ -586,6 +731,13 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [m for m in models if m not in MEGATRON_CHOICES]
     if unknown:
         parser.error(f"--models takes {', '.join(MEGATRON_CHOICES)}; got {', '.join(unknown)}")
+    wrong_budgets = f"--compile-budgets takes numbers from 0 to 1, e.g. 0.1,0.5; got {args.compile_budgets!r}"
+    try:
+        budgets = tuple(float(b) for b in args.compile_budgets.split(",") if b.strip())
+    except ValueError:
+        parser.error(wrong_budgets)
+    if any(not 0 <= b <= 1 for b in budgets):
+        parser.error(wrong_budgets)
     out_dir = Path(args.out)
     ok = True
     for model in models:
@@ -597,6 +749,7 @@ def main(argv: list[str] | None = None) -> int:
             overhead_repeats=args.overhead_repeats,
             cache_dir=Path(args.cache_dir) if args.cache_dir else None,
             progress=lambda s: print(s, file=sys.stderr, flush=True),
+            compile_budgets=budgets,
         )
         stem = out_dir / f"peers_{model}_{args.size}"
         stem.with_suffix(".json").parent.mkdir(parents=True, exist_ok=True)

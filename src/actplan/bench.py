@@ -14,7 +14,7 @@ import platform
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,7 @@ from actplan.apply import apply, find_layers, held_by_unit, offload_engine
 from actplan.config import RecomputeConfig
 from actplan.markers import checkpoint_record, routing_markers
 from actplan.measure import (
+    GradCensus,
     MemoryMeter,
     StepCapture,
     TimingStats,
@@ -76,6 +77,8 @@ class PolicyRow:
     reloaded_bytes: int | None = None
     # Selective rows: per kept unit, {"held": bytes, "autograd": bytes} (see ``held_by_unit``).
     held_by_unit: dict[str, dict[str, int]] | None = None
+    # Compiled rows: the largest gradient difference parity allowed (0: bit-identical).
+    grad_atol: float = 0.0
 
 
 @dataclass
@@ -173,6 +176,10 @@ class Contender:
     # Selective rows: per kept unit, bytes held at the end of the metered forward against what
     # autograd keeps for the same ops without checkpointing (``actplan.held_by_unit``).
     held_by_unit: dict[str, dict[str, int]] | None = None
+    # Parity tolerances against ``none``: 0 (bit-identical) unless the row is compiled, where
+    # the caller sets them from the compile noise floor it measured.
+    grad_atol: float = 0.0
+    loss_atol: float = 0.0
 
 
 def prepare_contender(
@@ -181,18 +188,25 @@ def prepare_contender(
     install: Installer,
     batch: dict[str, torch.Tensor],
     device: torch.device,
+    *,
+    compiled: bool = False,
 ) -> Contender:
-    """Copy the model, install ``install`` on it, run the parity step and one metered step."""
+    """Copy the model, install ``install`` on it, run the parity step and one metered step.
+
+    ``compiled``: the installer compiled the model with ``backend="aot_eager"``. The metered
+    step then runs the compiled graphs (``MemoryMeter(run_compiled=True)``); without it the
+    meter would measure, and leave behind, the eager code instead.
+    """
     model = copy.deepcopy(bundle.model).to(device)
     description = install(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
     contender = Contender(name, description, model, optimizer)
-    # Step 0 builds the optimizer state, so step 1 is metered with it resident.
+    # Step 0 builds the optimizer state (and compiles), so step 1 is metered with it resident.
     contender.capture = _train_step(contender, batch, seed=0, capture=True)
     engine = offload_engine(model)
     if engine is not None:
         engine.reset_stats()
-    with MemoryMeter(model, optimizer) as meter:
+    with MemoryMeter(model, optimizer, run_compiled=compiled) as meter:
         _train_step(contender, batch, seed=1, meter=meter)
     report = meter.report()
     if engine is not None:
@@ -228,7 +242,9 @@ def policy_rows(contenders: list[Contender], timings: dict[str, TimingStats]) ->
     baseline = next(c for c in contenders if c.name == "none").capture
     rows = []
     for contender in contenders:
-        parity = compare_steps(baseline, contender.capture)
+        parity = compare_steps(
+            baseline, contender.capture, grad_atol=contender.grad_atol, loss_atol=contender.loss_atol
+        )
         stats = timings[contender.name]
         rel = ratio(stats, timings["none"])
         host_peak, offloaded, reloaded = contender.moved or (None, None, None)
@@ -253,6 +269,7 @@ def policy_rows(contenders: list[Contender], timings: dict[str, TimingStats]) ->
                 offloaded_bytes=offloaded,
                 reloaded_bytes=reloaded,
                 held_by_unit=contender.held_by_unit,
+                grad_atol=contender.grad_atol,
             )
         )
     return rows
@@ -271,10 +288,29 @@ def _train_step(
     if meter is not None:
         meter.mark("forward_end")
     loss.backward()
-    captured = capture_step(contender.model, loss) if capture else None
+    captured = _without_wrapper_prefix(capture_step(contender.model, loss)) if capture else None
     contender.optimizer.step()
     contender.optimizer.zero_grad(set_to_none=True)
     return captured
+
+
+_WRAPPER_PREFIX = "_checkpoint_wrapped_module."
+"""What ``torch.distributed``'s ``checkpoint_wrapper`` (torchtitan's AC) inserts into parameter
+names; its own state_dict hooks strip it the same way."""
+
+
+def _without_wrapper_prefix(capture: StepCapture) -> StepCapture:
+    """The capture with parameter names as the unwrapped model has them, so that a row whose
+    layers are wrapper modules compares parameter by parameter with ``none``."""
+    if not any(_WRAPPER_PREFIX in name for name in capture.grads):
+        return capture
+    def unwrapped(names):
+        return frozenset(name.replace(_WRAPPER_PREFIX, "") for name in names)
+
+    grads = {name.replace(_WRAPPER_PREFIX, ""): grad for name, grad in capture.grads.items()}
+    census = capture.census
+    census = GradCensus(unwrapped(census.nonzero), unwrapped(census.zero), unwrapped(census.none))
+    return replace(capture, grads=grads, census=census)
 
 
 def measure_marker_cost(calls: int = 100_000) -> dict[str, float]:

@@ -172,7 +172,9 @@ class _StorageTracker(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         info = self._op_info.get(func)
         if info is None:
-            returns_alias = any(ret.alias_info is not None for ret in func._schema.returns)
+            # Higher-order operators (compiled graphs' RNG wrappers) have no schema: fresh outputs.
+            returns = func._schema.returns if hasattr(func, "_schema") else ()
+            returns_alias = any(ret.alias_info is not None for ret in returns)
             info = (returns_alias and func not in _FRESH_DESPITE_ALIAS, str(func))
             self._op_info[func] = info
         if isinstance(out, torch.Tensor):
@@ -249,6 +251,19 @@ class _StorageTracker(TorchDispatchMode):
             self.tracked.clear()
 
 
+class _CompiledCodeTracker(_StorageTracker):
+    """A storage tracker under which torch.compile runs compiled code (see ``MemoryMeter``'s
+    ``run_compiled``): dynamo switches it off while compiling and on again while the compiled
+    graph runs, so it sees the aten ops that graph dispatches, and the higher-order operators
+    (``run_and_save_rng_state`` of a checkpointed region) whose outputs it then counts."""
+
+    supports_higher_order_operators = True
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
+
 def _storage_key(tensor: torch.Tensor) -> int | None:
     if tensor.is_meta or isinstance(tensor, FakeTensor):
         return None
@@ -285,8 +300,13 @@ class MemoryMeter:
     Blind spots: logical storage bytes, not allocator blocks (no CUDA rounding or
     fragmentation; ``cuda_max_allocated_bytes`` is the cross-check); growth by ``resize_`` of a
     storage that predates the window (FSDP2 reuses unsharded-parameter storages that way);
-    sparse tensors; and compiled code, which torch.compile does not run while a dispatch mode is
-    active, so a compiled region is measured as its eager equivalent.
+    sparse tensors; and compiled code. By default torch.compile does not run compiled code while
+    a dispatch mode is active: a compiled region runs, and is measured, as its eager equivalent,
+    and on torch 2.13 dynamo then keeps running that region eagerly after the meter has gone.
+    With ``run_compiled=True`` compiled regions run compiled inside the window and the meter
+    counts the storages returned by the aten ops they dispatch: every allocation of a graph
+    compiled with ``backend="aot_eager"``, which runs aten ops; Inductor's generated kernels are
+    not aten ops, so use ``run_compiled`` with aot_eager graphs only.
     """
 
     def __init__(
@@ -295,10 +315,12 @@ class MemoryMeter:
         optimizer: torch.optim.Optimizer | None = None,
         *,
         timeline_cap: int = DEFAULT_TIMELINE_CAP,
+        run_compiled: bool = False,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
         self.timeline_cap = timeline_cap
+        self.run_compiled = run_compiled
         # The latest window's tracker; it stays readable after exit for report().
         self._tracker: _StorageTracker | None = None
         self._active = False
@@ -329,7 +351,8 @@ class MemoryMeter:
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.reset_peak_memory_stats()
             self._cuda_base_allocated = torch.cuda.memory_allocated()
-        self._tracker = _StorageTracker(self.timeline_cap)
+        tracker_type = _CompiledCodeTracker if self.run_compiled else _StorageTracker
+        self._tracker = tracker_type(self.timeline_cap)
         self._tracker.__enter__()
         self._active = True
         return self

@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from actplan import planner
 from actplan.planner import (
     BudgetError,
     Candidate,
@@ -67,6 +68,50 @@ def test_a_larger_budget_is_never_slower_and_never_exceeded(problem, steps):
         if previous is not None:
             assert solution.predicted_seconds <= previous + 1e-9
         previous = solution.predicted_seconds
+
+
+@st.composite
+def stacks(draw):
+    """Longer problems made of a few repeated layer types, as real models are (and as make
+    the frontier's staircases long): checked against the MILP optimum."""
+    types = draw(st.lists(st.lists(candidates, min_size=2, max_size=7).map(tuple), min_size=1, max_size=3))
+    count = draw(st.integers(4, 24))
+    order = draw(st.lists(st.integers(0, len(types) - 1), min_size=count, max_size=count))
+    return PlanProblem(
+        layers=tuple(types[t] for t in order),
+        static_bytes=draw(mib),
+        base_seconds=1.0,
+        nonlayer_bytes=draw(mib),
+        layer_grad_bytes=tuple(draw(st.integers(0, 20)) * MIB for _ in order),
+        other_grad_bytes=draw(mib),
+        optimizer_step_bytes=draw(mib),
+        head_transient_bytes=draw(mib),
+        prefetch_layers=draw(st.integers(0, 2)),
+    )
+
+
+@settings(max_examples=60, deadline=None)
+@given(problem=stacks(), slack=st.floats(0.0, 1.0))
+def test_frontier_solver_matches_the_milp_optimum(problem, slack):
+    lowest, choices = minimum_peak(problem)
+    assert lowest == pytest.approx(problem.peak(planner._milp(problem, None)), rel=1e-9)
+    budget = lowest * (1 + slack)
+    milp = planner._milp(problem, budget * (1 + 1e-9) + 1)
+    solution = solve(problem, budget)
+    assert milp is not None
+    assert solution.predicted_seconds == pytest.approx(problem.seconds(milp), abs=1e-9)
+    assert solution.predicted_peak_bytes <= budget * (1 + 1e-6) + 1
+
+
+def test_a_frontier_past_its_limit_falls_back_to_the_milp(monkeypatch):
+    layer = tuple(Candidate(f"c{i}", i * MIB, (9 - i) * MIB, (9 - i) / 100) for i in range(10))
+    problem = PlanProblem(layers=(layer,) * 8, static_bytes=0, base_seconds=1.0)
+    budget = 40 * MIB
+    exact = solve(problem, budget)
+    monkeypatch.setattr(planner, "FRONTIER_LIMIT", 2)
+    with pytest.raises(planner._FrontierTooLarge):
+        planner._frontier(planner._reduced(problem)[0], budget)
+    assert solve(problem, budget).predicted_seconds == pytest.approx(exact.predicted_seconds, abs=1e-12)
 
 
 def test_infeasible_budget_names_the_minimum():

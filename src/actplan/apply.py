@@ -29,8 +29,8 @@ _ENGINE_ATTR = "_actplan_offload_engine"
 
 
 def interval_map_of(module: nn.Module) -> RecomputeIntervalMap | None:
-    """The ``RecomputeIntervalMap`` a module declares (or, for a supported Hugging Face
-    decoder layer, the built-in one), or ``None``."""
+    """The ``RecomputeIntervalMap`` a module declares (or, for a Hugging Face decoder layer,
+    its built-in or derived one), or ``None``."""
     declared = getattr(module, "recompute_intervals", None)
     if isinstance(declared, RecomputeIntervalMap):
         return declared
@@ -39,30 +39,54 @@ def interval_map_of(module: nn.Module) -> RecomputeIntervalMap | None:
     return None
 
 
-def find_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """Checkpointable layers in forward-declaration order, outermost only."""
-    found: list[tuple[str, nn.Module]] = []
+def find_layers(model: nn.Module, layouts: hf.Layouts | None = None) -> list[tuple[str, nn.Module]]:
+    """Checkpointable layers in forward-declaration order, outermost only.
+
+    ``layouts`` (Hugging Face models: decoder-layer class name -> unit -> spans) take
+    precedence over declarations and derived layouts for the classes they name."""
+    return [(name, module) for name, module, _ in _layers_with_maps(model, layouts)]
+
+
+def _layers_with_maps(
+    model: nn.Module, layouts: hf.Layouts | None
+) -> list[tuple[str, nn.Module, RecomputeIntervalMap]]:
+    # Hugging Face decoder layers: a layout given here, else a declaration already made (by
+    # hf.declare, perhaps with other layouts), else the built-in or derived one.
+    from_hf = hf.layer_maps(model, layouts) if hf.contains_transformers(model) else {}
+    given = set(layouts or ())
+    found: list[tuple[str, nn.Module, RecomputeIntervalMap]] = []
     for name, module in model.named_modules():
-        if interval_map_of(module) is None:
+        if any(name.startswith(outer + ".") for outer, _, _ in found):
             continue
-        if any(name.startswith(outer + ".") for outer, _ in found):
-            continue
-        found.append((name, module))
+        declared = getattr(module, "recompute_intervals", None)
+        if id(module) in from_hf and (type(module).__name__ in given or declared is None):
+            interval_map = from_hf[id(module)]
+        else:
+            interval_map = interval_map_of(module)
+        if interval_map is not None:
+            found.append((name, module, interval_map))
     return found
 
 
-def layer_specs(model: nn.Module) -> list[LayerSpec]:
+def layer_specs(model: nn.Module, layouts: hf.Layouts | None = None) -> list[LayerSpec]:
     return [
-        LayerSpec(
-            index=i, name=name or "<root>", class_name=type(m).__name__, interval_map=interval_map_of(m)
-        )
-        for i, (name, m) in enumerate(find_layers(model))
+        LayerSpec(index=i, name=name or "<root>", class_name=type(m).__name__, interval_map=interval_map)
+        for i, (name, m, interval_map) in enumerate(_layers_with_maps(model, layouts))
     ]
 
 
-def plan_for(model: nn.Module, config: RecomputeConfig | dict | str | Path) -> Plan:
-    """Resolve ``config`` against ``model``'s layers without touching the model."""
-    specs = layer_specs(model)
+def plan_for(
+    model: nn.Module,
+    config: RecomputeConfig | dict | str | Path,
+    layouts: hf.Layouts | None = None,
+) -> Plan:
+    """Resolve ``config`` against ``model``'s layers without touching the model.
+
+    ``layouts``: as for ``apply``."""
+    specs = layer_specs(model, layouts)
+    if not specs and hf.contains_transformers(model):
+        # A transformers model with no usable layout: say what was found and how to pass one.
+        raise hf.layout_error(model, hf.unsure_layers(model, layouts))
     try:
         parsed = RecomputeConfig.parse(config)
     except ConfigError as err:
@@ -73,21 +97,29 @@ def plan_for(model: nn.Module, config: RecomputeConfig | dict | str | Path) -> P
     return resolve_plan(parsed, specs)
 
 
-def apply(model: nn.Module, config: RecomputeConfig | dict[str, Any] | str | Path) -> Plan:
+def apply(
+    model: nn.Module,
+    config: RecomputeConfig | dict[str, Any] | str | Path,
+    layouts: hf.Layouts | None = None,
+) -> Plan:
     """Resolve ``config`` to a per-layer plan and install it on ``model``'s layers.
 
     ``config`` is a ``RecomputeConfig``, a dict, a preset name (``"matmuls"``) or
     a path to a YAML/JSON file. A plan installed earlier is removed first. A config
     with ``offload`` also gets an ``OffloadEngine`` (see ``offload_engine(model)``).
-    Returns the installed ``Plan``.
+    ``layouts`` declares the units of Hugging Face decoder layers actplan has no built-in
+    or derived layout for, by class name (see ``actplan.integrations.hf``); layouts given
+    to an earlier ``hf.declare(model, layouts=...)`` are kept. Returns the installed ``Plan``.
     """
-    plan = plan_for(model, config)
+    layouts = {**hf.declared_layouts(model), **(layouts or {})} or None
+    plan = plan_for(model, config, layouts)
     remove(model)
-    if hf.is_hf_model(model):
+    if hf.contains_transformers(model) and not hf.declared_inside(model):
         # Markers for transformers layers: hooks on their submodules.
-        hf.declare(model)
+        hf.declare(model, layouts)
     layers = [
-        (layer_plan, module) for layer_plan, (_, module) in zip(plan.layers, find_layers(model), strict=True)
+        (layer_plan, module)
+        for layer_plan, (_, module) in zip(plan.layers, find_layers(model, layouts), strict=True)
     ]
     engine = None
     offload = plan.config.offload

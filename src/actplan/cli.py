@@ -24,6 +24,7 @@ from actplan.bench import (
     write_json,
 )
 from actplan.config import PRESETS, ConfigError
+from actplan.integrations import hf
 from actplan.models import MODELS, ModelBundle
 
 
@@ -197,6 +198,13 @@ def _explain(args: argparse.Namespace, console: Console) -> int:
             f"\noffload: tensors of at least {offload.min_bytes:,} bytes, host pool cap "
             f"{offload.host_cap:,} bytes, prefetch {offload.prefetch} layer(s) ahead"
         )
+    if hf.contains_transformers(bundle.model):
+        sources = {type(x.module).__name__: x.source for x in hf.find_decoder_layers(bundle.model)}
+        caption += (
+            "\nHugging Face layouts: "
+            + ", ".join(f"{name} {source}" for name, source in sources.items())
+            + f" (the module spans of each unit: actplan units --model {args.model})"
+        )
     table = Table(title=f"plan for {bundle.description}", caption=caption)
     for column in ("layer", "module", "class", "mode", "kept units", "routing saved", "offloaded", "from"):
         table.add_column(column)
@@ -238,8 +246,9 @@ def _units(args: argparse.Namespace, console: Console) -> int:
     from actplan.units import UNIT_DESCRIPTIONS, RecomputeUnit
 
     declared: dict[RecomputeUnit, list[str]] = {}
-    if args.model:
-        for spec in layer_specs(load_model(args.model, "tiny").model):
+    model = load_model(args.model, "tiny").model if args.model else None
+    if model is not None:
+        for spec in layer_specs(model):
             for unit in spec.interval_map.units:
                 classes = declared.setdefault(unit, [])
                 if spec.class_name not in classes:
@@ -255,6 +264,14 @@ def _units(args: argparse.Namespace, console: Console) -> int:
         row = [unit.value, ", ".join(declared[unit])] if args.model else [unit.value]
         table.add_row(*row, UNIT_DESCRIPTIONS[unit])
     console.print(table)
+    if model is not None and hf.contains_transformers(model):
+        # Which module spans make up each unit, and whether actplan derived them.
+        spans = Table(title=f"Hugging Face layouts of {args.model!r}: module spans per unit")
+        for column in ("layer class", "layers", "layout", "unit", "spans"):
+            spans.add_column(column)
+        for row in hf.layout_rows(model):
+            spans.add_row(*row)
+        console.print(spans)
     return 0
 
 
@@ -441,7 +458,8 @@ def _verify(args: argparse.Namespace, console: Console) -> int:
 
 
 MODEL_HELP = (
-    f"built-in ({', '.join(MODELS)}), hf-llama|hf-qwen2|hf-qwen3|hf-qwen3-moe, or package.module:factory"
+    f"built-in ({', '.join(MODELS)}), hf-<kind> (a random-weight transformers model; kinds: "
+    f"{', '.join(hf.REFERENCE_KINDS)}), or package.module:factory"
 )
 
 

@@ -27,10 +27,12 @@ class RecomputeUnit(StrEnum):
     ROPE = "rope"
     ATTN_CORE = "attn_core"
     ATTN_PROJ = "attn_proj"
+    ATTN_POST_NORM = "attn_post_norm"
     MLP_NORM = "mlp_norm"
     MLP_UP = "mlp_up"
     MLP_ACT = "mlp_act"
     MLP_DOWN = "mlp_down"
+    MLP_POST_NORM = "mlp_post_norm"
     MOE_ROUTER = "moe_router"
     MOE_DISPATCH = "moe_dispatch"
     MOE_EXPERTS = "moe_experts"
@@ -66,6 +68,10 @@ UNIT_DESCRIPTIONS: dict[RecomputeUnit, str] = {
         "Attention output projection (d values). Keeping it skips one GEMM; the "
         "residual stream after attention is rebuilt from it with one add."
     ),
+    RecomputeUnit.ATTN_POST_NORM: (
+        "Norm applied to the attention output before the residual add (Gemma 2/3 and OLMo 2 "
+        "post-norms), about 2d+1 values. Cheap elementwise work; keeping it rarely pays."
+    ),
     RecomputeUnit.MLP_NORM: ("RMSNorm before the MLP (about 2d+1 values). Cheap elementwise work."),
     RecomputeUnit.MLP_UP: (
         "Gate and up projections of the SwiGLU MLP (2f values). The largest GEMMs of "
@@ -76,6 +82,10 @@ UNIT_DESCRIPTIONS: dict[RecomputeUnit, str] = {
     RecomputeUnit.MLP_DOWN: (
         "Down projection output (d values). Backward never needs it, so keeping it "
         "costs memory and saves nothing when recompute stops early."
+    ),
+    RecomputeUnit.MLP_POST_NORM: (
+        "Norm applied to the MLP output before the residual add (Gemma 2/3 and OLMo 2 "
+        "post-norms), about 2d+1 values. Cheap elementwise work; keeping it rarely pays."
     ),
     RecomputeUnit.MOE_ROUTER: (
         "Router logits, scores and the top-k choice (E + 2k values). Tiny; routing "

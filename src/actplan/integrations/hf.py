@@ -3,30 +3,45 @@
 A unit is a list of spans; a span is a submodule path (its entry and exit are the span's
 markers) or a pair of points ``("path:exit", "other.path:enter")`` (what runs between
 them, such as RoPE and the attention kernel, which are function calls rather than
-modules). ``declare(model)`` finds the decoder layers of a supported architecture, puts
-forward pre/post hooks on the named submodules that emit ``checkpoint_record`` markers
-(module hooks are traced by ``torch.compile``, so the markers survive compilation) and
-gives each layer its ``recompute_intervals``; ``actplan.apply`` then treats the layers
-like any other. ``undeclare`` removes every hook and attribute again.
+modules). A layer's *layout* (unit -> spans) comes, in this order, from ``layouts=`` given
+by the user (by decoder-layer class name), from the built-in ``LAYOUTS``, or is derived
+from the names and nesting of the layer's submodules (``hf_derive``). Decoder layers are
+the modules transformers' own gradient checkpointing wraps (``GradientCheckpointingLayer``)
+or, for models that predate it, the blocks of the model's ``ModuleList`` of layers.
 
-``actplan.apply(hf_model, config)`` calls ``declare`` by itself. Imports: ``markers``,
-``units`` and ``config`` (for its error type); ``transformers`` is never imported here.
+``declare(model)`` puts forward pre/post hooks on the named submodules that emit
+``checkpoint_record`` markers (module hooks are traced by ``torch.compile``, so the markers
+survive compilation) and gives each layer its ``recompute_intervals``; ``actplan.apply``
+then treats the layers like any other. ``undeclare`` removes every hook and attribute again.
+
+``actplan.apply(hf_model, config, layouts=...)`` calls ``declare`` by itself. Imports:
+``markers``, ``units``, ``hf_derive`` and ``config`` (for its error type); ``transformers``
+is never imported here, except by ``reference_model``.
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
 
 from actplan.config import ConfigError
+from actplan.integrations.hf_derive import (
+    ATTENTION_INPUTS,
+    PROJECTED,
+    Span,
+    derive_layout,
+    submodule_names,
+)
 from actplan.markers import checkpoint_record
-from actplan.units import MarkerInterval, RecomputeIntervalMap, RecomputeUnit
+from actplan.units import MarkerInterval, RecomputeIntervalMap, RecomputeUnit, parse_unit
 
-Span = str | tuple[str, str]
+Layout = Mapping[RecomputeUnit | str, Sequence[Span]]
+Layouts = Mapping[str, Layout | None]
+"""Layouts by decoder-layer class name; ``None`` says "not a layer to checkpoint"."""
 
 _ATTENTION = {
     RecomputeUnit.ATTN_NORM: ["input_layernorm"],
@@ -54,13 +69,13 @@ LAYOUTS: dict[str, dict[RecomputeUnit, list[Span]]] = {
     "Qwen3DecoderLayer": {**_ATTENTION, **_DENSE_MLP},
     "Qwen3MoeDecoderLayer": {**_ATTENTION, **_DENSE_MLP, **_MOE_MLP},
 }
-"""Built-in declarations by decoder layer class name. A span whose module is missing in a
-given layer (a dense layer of an MoE model, a model without QK-norm) is left out.
+"""Built-in declarations by decoder layer class name (tested longest; other architectures are
+derived). A span whose module is missing in a given layer (a dense layer of an MoE model, a
+model without QK-norm) is left out.
 
 Qwen3-MoE routers with ``norm_topk_prob=True`` normalise their top-k weights in place,
 which a saved routing output cannot survive: such models need ``save_collectives: false``
-and the router recomputed (the error says so). Older per-expert MoE layouts (a
-``ModuleList`` of experts) are not declared."""
+and the router recomputed (the error says so)."""
 
 _STATE_ATTR = "_actplan_hf"
 
@@ -71,11 +86,64 @@ class _Declared:
     handles: list[Any] = field(default_factory=list)
     # config.use_cache before declare turned it off (None: left alone).
     use_cache: bool | None = None
+    # The layouts declare was given, so that actplan.apply declares the same again.
+    layouts: dict[str, Layout | None] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class FoundLayer:
+    """A decoder layer of a ``transformers`` model and where its units come from."""
+
+    name: str
+    module: nn.Module
+    interval_map: RecomputeIntervalMap | None  # None: no usable layout (see ``problem``)
+    source: str  # "given", "built-in", "derived", "skipped" or "unsure"
+    layout: dict[RecomputeUnit, list[Span]] = field(default_factory=dict)
+    problem: str = ""
 
 
 def is_hf_model(model: nn.Module) -> bool:
     """Whether ``model`` is a ``transformers`` model (checked without importing transformers)."""
     return any(cls.__module__.startswith("transformers.") for cls in type(model).__mro__)
+
+
+def _from_transformers(module: nn.Module) -> bool:
+    return any(
+        cls.__module__.startswith(("transformers.", "transformers_modules.")) for cls in type(module).__mro__
+    )
+
+
+def _is_checkpointing_layer(module: nn.Module) -> bool:
+    # transformers' own gradient checkpointing wraps exactly these (transformers >= 4.53).
+    return any(
+        cls.__name__ == "GradientCheckpointingLayer" and cls.__module__.startswith("transformers.")
+        for cls in type(module).__mro__
+    )
+
+
+def contains_transformers(model: nn.Module) -> bool:
+    """Whether any module under ``model`` (itself included) comes from ``transformers``."""
+    return any(_from_transformers(m) for m in model.modules())
+
+
+def decoder_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The blocks transformers' gradient checkpointing would wrap, outermost only, in model
+    order; for models without ``GradientCheckpointingLayer`` blocks, the members of the first
+    ``ModuleList`` whose members all have attention projections."""
+    found: list[tuple[str, nn.Module]] = []
+    for name, module in model.named_modules():
+        if _is_checkpointing_layer(module) and not any(name.startswith(f"{outer}.") for outer, _ in found):
+            found.append((name, module))
+    if found or not _from_transformers(model):
+        return found
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) and all(_has_attention(m) for m in module):
+            return [(f"{name}.{child}" if name else child, m) for child, m in module.named_children()]
+    return []
+
+
+def _has_attention(block: nn.Module) -> bool:
+    return any(path.rpartition(".")[2].lower() in ATTENTION_INPUTS for path, _ in block.named_modules())
 
 
 def _has(module: nn.Module, path: str) -> bool:
@@ -86,12 +154,20 @@ def _has(module: nn.Module, path: str) -> bool:
     return True
 
 
-def interval_map_for(
-    layer: nn.Module, layout: Mapping[RecomputeUnit, Sequence[Span]]
-) -> RecomputeIntervalMap:
-    """The units ``layer`` has under ``layout``; spans whose modules are absent are dropped."""
+def _normalised(layout: Layout) -> dict[RecomputeUnit, list[Span]]:
+    return {
+        parse_unit(unit): [s if isinstance(s, str) else tuple(s) for s in spans]
+        for unit, spans in layout.items()
+    }
+
+
+def interval_map_for(layer: nn.Module, layout: Layout) -> RecomputeIntervalMap:
+    """The units ``layer`` has under ``layout``; spans whose modules are absent are dropped.
+
+    A point is ``"<path>:enter"``, ``"<path>:exit"`` or ``"<path>:projected"`` (after the
+    last of the layout's ``qkv_proj`` modules under ``<path>`` has run)."""
     units: dict[RecomputeUnit, list[MarkerInterval]] = {}
-    for unit, spans in layout.items():
+    for unit, spans in _normalised(layout).items():
         intervals = []
         for span in spans:
             if isinstance(span, str):
@@ -103,57 +179,214 @@ def interval_map_for(
                     intervals.append(MarkerInterval(start, end))
         if intervals:
             units[unit] = intervals
+    if not units:
+        raise ConfigError(
+            f"no span of the layout for {type(layer).__name__} names a submodule it has "
+            f"(it has: {', '.join(submodule_names(layer, 2))}); write the spans as module paths "
+            "relative to the decoder layer"
+        )
     return RecomputeIntervalMap(units)
 
 
-def _mark(marker: str):
+def _layout_of(layer: nn.Module, layouts: Layouts | None) -> tuple[str, dict[RecomputeUnit, list[Span]], str]:
+    """(source, layout, problem) for one decoder layer: source "given", "built-in", "derived",
+    "skipped" (``None`` given: empty layout) or "unsure" (a partial layout and the problem)."""
+    class_name = type(layer).__name__
+    if layouts is not None and class_name in layouts:
+        given = layouts[class_name]
+        return ("given", _normalised(given), "") if given is not None else ("skipped", {}, "")
+    if class_name in LAYOUTS and type(layer).__module__.startswith("transformers."):
+        return "built-in", LAYOUTS[class_name], ""
+    derived = derive_layout(layer)
+    if derived.sure:
+        return "derived", derived.units, ""
+    return "unsure", derived.units, "; ".join(derived.reasons)
+
+
+def find_decoder_layers(model: nn.Module, layouts: Layouts | None = None) -> list[FoundLayer]:
+    """Every decoder layer of ``model`` with its interval map and where the map comes from;
+    a layer whose layout cannot be derived has ``source == "unsure"`` and says why."""
+    found = []
+    for name, layer in decoder_layers(model):
+        source, layout, problem = _layout_of(layer, layouts)
+        interval_map = interval_map_for(layer, layout) if source in ("given", "built-in", "derived") else None
+        found.append(FoundLayer(name, layer, interval_map, source, layout, problem))
+    return found
+
+
+def unsure_layers(model: nn.Module, layouts: Layouts | None = None) -> list[FoundLayer]:
+    return [layer for layer in find_decoder_layers(model, layouts) if layer.source == "unsure"]
+
+
+def layer_maps(model: nn.Module, layouts: Layouts | None = None) -> dict[int, RecomputeIntervalMap | None]:
+    """``id(layer) -> interval map`` for every decoder layer of ``model`` (``None``: a class
+    ``layouts`` says not to checkpoint). On a ``transformers`` model, a decoder layer whose
+    layout cannot be derived is an error (``layout_error``); inside a model of your own, such
+    layers are left out."""
+    found = find_decoder_layers(model, layouts)
+    unsure = [layer for layer in found if layer.source == "unsure"]
+    if unsure and is_hf_model(model):
+        raise layout_error(model, unsure)
+    return {id(layer.module): layer.interval_map for layer in found if layer.source != "unsure"}
+
+
+def _format_spans(spans: Sequence[Span]) -> str:
+    return ", ".join(repr(s) if isinstance(s, str) else f"({s[0]!r}, {s[1]!r})" for s in spans)
+
+
+def layout_error(model: nn.Module, problems: Sequence[FoundLayer] = ()) -> ConfigError:
+    """The error for a ``transformers`` model actplan cannot find units in: the decoder
+    layers and submodules it found, what is unclear, and how to pass ``layouts=``."""
+    lines = []
+    by_class: dict[str, FoundLayer] = {}
+    for layer in problems:
+        by_class.setdefault(type(layer.module).__name__, layer)
+    for class_name, layer in by_class.items():
+        count = sum(type(x.module).__name__ == class_name for x in problems)
+        lines.append(
+            f"  {class_name} ({layer.name}{f' and {count - 1} more' if count > 1 else ''}): {layer.problem}\n"
+            f"    submodules: {', '.join(submodule_names(layer.module))}"
+        )
+    if not problems:
+        blocks = decoder_layers(model)
+        what = (
+            f"decoder layers {', '.join(sorted({type(m).__name__ for _, m in blocks}))}, none of them usable"
+            if blocks
+            else "no decoder layers (no GradientCheckpointingLayer, no ModuleList of attention blocks)"
+        )
+        lines.append(f"  found {what}")
+    example_class = next(iter(by_class), "MyDecoderLayer")
+    partial = next(iter(by_class.values())).layout if by_class else {}
+    example = {u.value: _format_spans(s) for u, s in partial.items()} or {
+        "qkv_proj": "'self_attn.q_proj', 'self_attn.k_proj', 'self_attn.v_proj'",
+        "attn_core": "('self_attn.v_proj:exit', 'self_attn.o_proj:enter')",
+        "attn_proj": "'self_attn.o_proj'",
+        "mlp_up": "'mlp.up_proj'",
+        "mlp_down": "'mlp.down_proj'",
+    }
+    body = "".join(f"        {unit!r}: [{spans}],\n" for unit, spans in example.items())
+    return ConfigError(
+        f"actplan cannot tell the units of {type(model).__name__}'s decoder layers from their "
+        "module names:\n" + "\n".join(lines) + "\n"
+        "Pass a layout per decoder-layer class (module paths relative to the layer; a pair of "
+        "points for work with no module of its own; None for a class not to checkpoint), e.g.\n"
+        f"    actplan.apply(model, config, layouts={{{example_class!r}: {{\n{body}    }}}})\n"
+        'and check it with `actplan verify` (docs/huggingface.md, "Other architectures")'
+    )
+
+
+class _AfterProjections:
+    """Emits ``"<attention>:projected"`` once every input projection of the attention has run
+    in the current call, whatever their order; or, if one did not run, before the span's end."""
+
+    def __init__(self, marker: str, projections: Sequence[str]) -> None:
+        self.marker = marker
+        self.count = len(set(projections))
+        self.seen: set[str] = set()
+        self.emitted = False
+
+    def projection_hook(self, name: str) -> Callable[..., None]:
+        def hook(*_: Any) -> None:
+            if name in self.seen:  # a new call of the attention (or a replay) began
+                self.seen.clear()
+                self.emitted = False
+            self.seen.add(name)
+            if not self.emitted and len(self.seen) == self.count:
+                self.emitted = True
+                checkpoint_record(self.marker)
+
+        return hook
+
+    def before_end(self, *_: Any) -> None:
+        if not self.emitted:
+            checkpoint_record(self.marker)
+        self.seen.clear()
+        self.emitted = False
+
+
+def _mark(marker: str) -> Callable[..., None]:
     def hook(*_: Any) -> None:
         checkpoint_record(marker)
 
     return hook
 
 
-def declare(
-    model: nn.Module, layouts: Mapping[str, Mapping[RecomputeUnit, Sequence[Span]]] | None = None
-) -> int:
-    """Declare the units of every supported decoder layer in ``model``; returns how many.
+def _install_hooks(layer: nn.Module, interval_map: RecomputeIntervalMap, handles: list[Any]) -> None:
+    markers = interval_map.markers
+    for name, sub in layer.named_modules():
+        if f"{name}:enter" in markers:
+            handles.append(sub.register_forward_pre_hook(_mark(f"{name}:enter")))
+        if f"{name}:exit" in markers:
+            handles.append(sub.register_forward_hook(_mark(f"{name}:exit")))
+    projected = sorted(m for m in markers if m.endswith(f":{PROJECTED}"))
+    for marker in projected:
+        attention = marker.rpartition(":")[0]
+        projections = [
+            span.start.rpartition(":")[0]
+            for span in interval_map.get(RecomputeUnit.QKV_PROJ, ())
+            if span.start.endswith(":enter") and (not attention or span.start.startswith(f"{attention}."))
+        ]
+        if not projections:
+            raise ConfigError(
+                f"{type(layer).__name__}: point {marker!r} follows the layout's qkv_proj modules "
+                f"under {attention or 'the layer'}, and the layout declares none there; list them "
+                "under qkv_proj or start the span at a module's ':exit'"
+            )
+        point = _AfterProjections(marker, projections)
+        for path in projections:
+            # After the projection's own exit marker, registered above.
+            handles.append(layer.get_submodule(path).register_forward_hook(point.projection_hook(path)))
+        for span in interval_map.values():
+            for interval in span:
+                if interval.start != marker:
+                    continue
+                end_path, _, end_kind = interval.end.rpartition(":")
+                end = layer.get_submodule(end_path)
+                # Before the end marker's own hook: prepended.
+                if end_kind == "enter":
+                    handles.append(end.register_forward_pre_hook(point.before_end, prepend=True))
+                else:
+                    handles.append(end.register_forward_hook(point.before_end, prepend=True))
 
-    ``layouts`` adds to or replaces the built-in declarations (class name -> unit -> spans).
-    Raises ``ConfigError`` when Hugging Face's own gradient checkpointing is on (both would
-    checkpoint the same layers) or when no layer class is known.
-    """
+
+def _check_hf_checkpointing_off(model: nn.Module) -> None:
     if any(getattr(m, "gradient_checkpointing", False) for m in model.modules()):
         raise ConfigError(
             "Hugging Face gradient checkpointing is enabled on this model, and actplan would "
-            "checkpoint the same layers again; call model.gradient_checkpointing_disable() and let "
-            "actplan's config decide what is recomputed"
+            "checkpoint the same layers again; call model.activation_checkpointing_disable() "
+            "(model.gradient_checkpointing_disable() on transformers before 5.24) and let actplan's "
+            "config decide what is recomputed. With the Trainer, leave activation_checkpointing "
+            "(gradient_checkpointing) off in TrainingArguments"
         )
+
+
+def declare(model: nn.Module, layouts: Layouts | None = None) -> int:
+    """Declare the units of every decoder layer in ``model``; returns how many.
+
+    ``layouts`` (decoder-layer class name -> unit -> spans, or ``None`` to leave a class
+    alone) takes precedence over the built-in declarations and over derivation; ``actplan.apply``
+    keeps using them. Raises ``ConfigError`` when Hugging Face's own gradient checkpointing
+    is on (both would checkpoint the same layers), when a layer's layout cannot be derived,
+    or when no decoder layer has a layout.
+    """
+    _check_hf_checkpointing_off(model)
     undeclare(model)
-    known = {**LAYOUTS, **(layouts or {})}
-    state = _Declared()
-    for module in model.modules():
-        layout = known.get(type(module).__name__)
-        if layout is None:
-            continue
-        interval_map = interval_map_for(module, layout)
-        markers = interval_map.markers
-        for name, sub in module.named_modules():
-            if f"{name}:enter" in markers:
-                state.handles.append(sub.register_forward_pre_hook(_mark(f"{name}:enter")))
-            if f"{name}:exit" in markers:
-                state.handles.append(sub.register_forward_hook(_mark(f"{name}:exit")))
-        module.recompute_intervals = interval_map
-        state.layers.append(module)
-    if not state.layers:
-        classes = sorted(
-            {type(m).__name__ for m in model.modules() if type(m).__name__.endswith("DecoderLayer")}
-        )
-        found = ", ".join(classes) or "no *DecoderLayer classes"
-        raise ConfigError(
-            f"no decoder layer of {type(model).__name__} has a built-in actplan declaration "
-            f"(found {found}; known: {', '.join(sorted(LAYOUTS))}); pass "
-            "layouts={'MyDecoderLayer': {unit: [module paths]}} to actplan.integrations.hf.declare"
-        )
+    layer_maps(model, layouts)  # the error for an unsure layer of a transformers model
+    found = [layer for layer in find_decoder_layers(model, layouts) if layer.interval_map is not None]
+    if not found:
+        raise layout_error(model, unsure_layers(model, layouts))
+    state = _Declared(layouts=dict(layouts or {}))
+    try:
+        for layer in found:
+            _install_hooks(layer.module, layer.interval_map, state.handles)
+            layer.module.recompute_intervals = layer.interval_map
+            state.layers.append(layer.module)
+    except BaseException:
+        for handle in state.handles:
+            handle.remove()
+        for module in state.layers:
+            module.__dict__.pop("recompute_intervals", None)
+        raise
     config = getattr(model, "config", None)
     if getattr(config, "use_cache", False):
         # A KV cache passed to every layer is appended to again when a layer is recomputed,
@@ -188,12 +421,58 @@ def is_declared(model: nn.Module) -> bool:
     return _STATE_ATTR in model.__dict__
 
 
-def known_interval_map(module: nn.Module) -> RecomputeIntervalMap | None:
-    """The built-in declaration of a ``transformers`` decoder layer, or ``None``."""
-    layout = LAYOUTS.get(type(module).__name__)
-    if layout is None or not type(module).__module__.startswith("transformers."):
+def declared_inside(model: nn.Module) -> bool:
+    """Whether ``declare`` ran on ``model`` or on a module inside it (and still holds)."""
+    return any(is_declared(m) for m in model.modules())
+
+
+def declared_layouts(model: nn.Module) -> dict[str, Layout | None]:
+    """The ``layouts`` the current declaration of ``model`` was made with (empty if none)."""
+    state: _Declared | None = model.__dict__.get(_STATE_ATTR)
+    return dict(state.layouts) if state is not None else {}
+
+
+def known_interval_map(module: nn.Module, layouts: Layouts | None = None) -> RecomputeIntervalMap | None:
+    """The interval map of one ``transformers`` decoder layer (given, built-in or derived),
+    or ``None`` for other modules and for layers whose layout cannot be derived."""
+    class_name = type(module).__name__
+    listed = layouts is not None and class_name in layouts
+    builtin = class_name in LAYOUTS and type(module).__module__.startswith("transformers.")
+    if not (listed or builtin or _is_checkpointing_layer(module)):
         return None
-    return interval_map_for(module, layout)
+    source, layout, _ = _layout_of(module, layouts)
+    return interval_map_for(module, layout) if source in ("given", "built-in", "derived") else None
+
+
+def layout_rows(model: nn.Module, layouts: Layouts | None = None) -> list[tuple[str, str, str, str, str]]:
+    """(layer class, layers, source, unit, spans) per unit of each distinct decoder-layer
+    layout of ``model``: what ``actplan units --model`` shows."""
+    groups: dict[tuple[str, RecomputeIntervalMap | None, str], list[FoundLayer]] = {}
+    for layer in find_decoder_layers(model, layouts):
+        groups.setdefault((type(layer.module).__name__, layer.interval_map, layer.source), []).append(layer)
+    rows = []
+    for (class_name, interval_map, source), members in groups.items():
+        where = (
+            ", ".join(m.name for m in members)
+            if len(members) <= 2
+            else f"{members[0].name} +{len(members) - 1}"
+        )
+        if interval_map is None:
+            rows.append((class_name, where, source, "-", members[0].problem or "not checkpointed"))
+            continue
+        for unit, intervals in interval_map.items():
+            rows.append(
+                (class_name, where, source, unit.value, " + ".join(_format_interval(i) for i in intervals))
+            )
+    return rows
+
+
+def _format_interval(interval: MarkerInterval) -> str:
+    start_path, _, start_kind = interval.start.rpartition(":")
+    end_path, _, end_kind = interval.end.rpartition(":")
+    if start_path == end_path and (start_kind, end_kind) == ("enter", "exit"):
+        return start_path
+    return f"[{interval.start}, {interval.end})"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -206,12 +485,55 @@ _REFERENCE_SHAPES = {
                   num_key_value_heads=2, vocab_size=4096, max_position_embeddings=1024),
 }  # fmt: skip
 _BATCH = {"tiny": (2, 16), "small": (2, 256)}
-REFERENCE_KINDS = ("llama", "qwen2", "qwen3", "qwen3-moe")
 
 
-def reference_model(kind: str, size: str = "tiny") -> tuple[nn.Module, Any]:
+def _moe(shapes: dict[str, int]) -> int:
+    return shapes["intermediate_size"] // 4
+
+
+def _alternating(layers: int) -> list[str]:
+    return ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+
+
+# kind -> (config class, model class, extra config arguments from the shapes). Test fixtures,
+# one per family the derivation is checked on: nothing else reads these class names.
+_REFERENCE_MODELS: dict[str, tuple[str, str, Callable[[dict[str, int]], dict[str, Any]]]] = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", lambda s: {}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", lambda s: {"sliding_window": None}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", lambda s: {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", lambda s: {"head_dim": 16}),
+    "qwen3-moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", lambda s: {
+        "head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": _moe(s),
+        "mlp_only_layers": [0]}),
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", lambda s: {
+        "n_embd": s["hidden_size"], "n_layer": s["num_hidden_layers"], "n_head": s["num_attention_heads"],
+        "n_inner": s["intermediate_size"], "n_positions": s["max_position_embeddings"]}),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", lambda s: {
+        "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": _moe(s)}),
+    "qwen2-moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", lambda s: {
+        "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": _moe(s),
+        "shared_expert_intermediate_size": s["intermediate_size"] // 2}),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", lambda s: {
+        "head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 8,
+        "layer_types": _alternating(s["num_hidden_layers"])}),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", lambda s: {
+        "head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 8,
+        "layer_types": _alternating(s["num_hidden_layers"])}),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", lambda s: {}),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", lambda s: {}),
+    "deepseek-v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", lambda s: {
+        "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": _moe(s),
+        "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1,
+        "q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
+        "v_head_dim": 16}),
+}  # fmt: skip
+REFERENCE_KINDS = tuple(_REFERENCE_MODELS)
+
+
+def reference_model(kind: str, size: str = "tiny", layers: int | None = None) -> tuple[nn.Module, Any]:
     """A randomly initialised ``transformers`` model of ``kind`` and a batch maker: what
-    ``--model hf-<kind>`` runs. Needs ``transformers`` (``pip install actplan[hf]``)."""
+    ``--model hf-<kind>`` runs (``layers`` overrides the size's layer count). Needs
+    ``transformers`` (``pip install actplan[hf]``)."""
     if kind not in REFERENCE_KINDS or size not in _REFERENCE_SHAPES:
         raise ValueError(
             f"unknown Hugging Face reference model hf-{kind} ({size}); kinds: {', '.join(REFERENCE_KINDS)}, "
@@ -222,20 +544,20 @@ def reference_model(kind: str, size: str = "tiny") -> tuple[nn.Module, Any]:
         import transformers
     except ImportError:
         raise ValueError("hf-* models need transformers: pip install 'actplan[hf]'") from None
-    shapes = {**_REFERENCE_SHAPES[size], "use_cache": False}
+    shapes = dict(_REFERENCE_SHAPES[size])
+    if layers is not None:
+        shapes["num_hidden_layers"] = layers
+    config_name, model_name, extra = _REFERENCE_MODELS[kind]
+    config_class = getattr(transformers, config_name, None)
+    if config_class is None:
+        raise ValueError(
+            f"hf-{kind} needs transformers.{config_name}, which transformers {transformers.__version__} "
+            "does not have; upgrade transformers"
+        )
+    # Token ids inside the small vocabulary; no KV cache (see declare).
+    arguments = {**shapes, "use_cache": False, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
     torch.manual_seed(0)
-    if kind == "llama":
-        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**shapes))
-    elif kind == "qwen2":
-        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**shapes))
-    elif kind == "qwen3":
-        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**shapes, head_dim=16))
-    else:
-        config = transformers.Qwen3MoeConfig(
-            **shapes, head_dim=16, num_experts=4, num_experts_per_tok=2,
-            moe_intermediate_size=shapes["intermediate_size"] // 4, mlp_only_layers=[0],
-        )  # fmt: skip
-        model = transformers.Qwen3MoeForCausalLM(config)
+    model = getattr(transformers, model_name)(config_class(**{**arguments, **extra(shapes)}))
     rows, seq = _BATCH[size]
     vocab = shapes["vocab_size"]
 

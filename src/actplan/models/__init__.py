@@ -90,9 +90,12 @@ def load_model(spec: str, size: str = "small") -> ModelBundle:
         model, make_batch = reference_model(spec[3:], size)
         return ModelBundle(spec, size, model, make_batch, f"{spec} {size} (transformers, random weights)")
     if ":" not in spec:
+        from actplan.integrations.hf import REFERENCE_KINDS
+
         raise ValueError(
             f"unknown model {spec!r}: give a built-in name ({', '.join(MODELS)}), a Hugging Face "
-            "reference (hf-llama, hf-qwen2, hf-qwen3, hf-qwen3-moe) or a factory as 'package.module:function'"
+            f"reference ({', '.join(f'hf-{kind}' for kind in REFERENCE_KINDS)}) or a factory as "
+            "'package.module:function'"
         )
     module_name, _, attribute = spec.partition(":")
     # As `python -m` does: modules in the working directory are importable.

@@ -472,7 +472,8 @@ class RowRunner:
             "census_match": parity.census_match,
             "parity_ok": parity.ok,
             "activation_bytes": contender.activation_bytes,
-            "peak_bytes": contender.peak_bytes,
+            # Compiled rows have no meter peak: the meter cannot run inside their graphs.
+            "peak_bytes": None if spec.compiled else contender.peak_bytes,
             "resident_bytes": _resident_bytes(contender.model, contender.optimizer),
             "cuda_max_allocated_bytes": contender.cuda_max_allocated_bytes,
             "cuda_peak_bytes": None,

@@ -111,7 +111,7 @@ def evaluate(results: Path = RESULTS) -> list[dict[str, Any]]:
                 )
         if model == "moe":
             for entry in peers["at_same_peak"]:
-                if entry["peer"] not in ("torch-checkpoint", "titan-op-sac"):
+                if entry["peer"] not in ("torch-checkpoint", "titan-sac", "titan-op-sac"):
                     continue
                 best = entry.get("best") or {}
                 cut = best.get("overhead_cut")

@@ -5,14 +5,19 @@ that tool would, so ``bench.peers`` can run it next to actplan's rows on the sam
 
 - whole-layer ``torch.utils.checkpoint`` (what Hugging Face and most trainers do) comes
   from ``actplan.bench``;
-- op-level selective checkpointing with torchtitan's default save list, written here
+- op-level selective checkpointing with torchtitan's default save list, re-stated here
   from its documented behaviour (save compute-heavy ops and collectives, and every
-  other matmul);
+  other matmul), for when torchtitan itself does not import;
 - op-level selective checkpointing that saves every matmul and attention kernel: the
   same save set as actplan's ``matmuls`` preset, but chosen by op type;
 - ``torch_remat`` with save regions that match actplan's ``attn`` and ``matmuls``
   presets. torch_remat regions live in model source, so the annotated forwards below
-  are what a torch_remat user would write into the dense and MoE blocks.
+  are what a torch_remat user would write into the dense and MoE blocks;
+- torchtitan's own ``SelectiveAC`` where torchtitan imports (the re-statement above
+  stands in for it where it does not);
+- the automatic ones: each layer compiled with ``torch.compile`` under
+  ``activation_memory_budget``, actplan's plans with compiled layers to set against
+  them, and rockmate, which the bench tries and reports as not run, with the reason.
 
 Sits on top of ``actplan`` and its reference models; nothing in ``actplan`` imports it.
 """

@@ -10,12 +10,17 @@ interleaved (A B C, B C A, ...) after a warm-up.
 
 - ``none``: no checkpointing.
 - Peers: ``torch-checkpoint`` (whole layer, non-reentrant, as Hugging Face and most
-  trainers do it); ``titan-op-sac`` (op-level SAC with torchtitan's default save list);
-  ``remat-{full,attn,matmuls}`` (torch_remat with save regions matching actplan's
-  presets); ``megatron[...]`` (Megatron ``--recompute-modules`` choices, run through
-  actplan's config since Megatron itself is not in the picture).
-- actplan's presets, with and without offload.
-- Planner plans at each peer's measured peak: one free to offload, one recompute-only.
+  trainers do it); ``titan-sac`` (torchtitan's own SelectiveAC; where torchtitan does not
+  import, ``titan-op-sac``, our re-statement of its rule); ``remat-{full,attn,matmuls}``
+  (torch_remat with save regions matching actplan's presets); ``megatron[...]`` (Megatron
+  ``--recompute-modules`` choices, run through actplan's config since Megatron itself is not
+  in the picture).
+- Automatic peers: ``compile[budget=B]``, each layer compiled (aot_eager) with
+  ``torch._functorch.config.activation_memory_budget=B``; rockmate is tried and reported as
+  not run, with the reason. Compiled rows pass parity within the compile noise floor.
+- actplan's presets, with and without offload; on the dense model also with compiled layers.
+- Planner plans at each peer's measured peak: one free to offload, one recompute-only (and,
+  at a compiled peer's peak on the dense model, the recompute-only plan with compiled layers).
 
 Then, per peer: the fastest actplan row whose peak is within 0.5% of the peer's (and, as a
 second view, whose activation bytes are), with the step-time ratios side by side.

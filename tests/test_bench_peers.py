@@ -13,7 +13,14 @@ from actplan.bench import PolicyRow, config_installer, policy_rows, prepare_cont
 from actplan.config import RecomputeConfig
 from actplan.models import build_model
 from bench import peers
-from bench.peer_methods import _titan_policy, op_sac_matmuls_installer, remat_installer
+from bench.peer_methods import (
+    _titan_policy,
+    compile_budget_installer,
+    compiled_actplan_installer,
+    op_sac_matmuls_installer,
+    remat_installer,
+    titan_import_error,
+)
 
 aten = torch.ops.aten
 
@@ -29,13 +36,14 @@ def test_titan_policy_saves_every_other_matmul_and_the_attention_kernel():
     assert _titan_policy()(None, aten.mm.default) == CheckpointPolicy.MUST_SAVE
 
 
-def _rows(model: str, entries):
+def _rows(model: str, entries, compiled: frozenset[str] = frozenset()):
     bundle = build_model(model, "tiny")
     batch = bundle.make_batch(0)
     cpu = torch.device("cpu")
     none = config_installer(RecomputeConfig.from_preset("none"))
     contenders = [
-        prepare_contender(bundle, name, install, batch, cpu) for name, install in [("none", none), *entries]
+        prepare_contender(bundle, name, install, batch, cpu, compiled=name in compiled)
+        for name, install in [("none", none), *entries]
     ]
     return {
         r.name: r for r in policy_rows(contenders, time_contenders(contenders, batch, repeats=1, warmup=0))
@@ -59,6 +67,43 @@ def test_peer_rows_are_exact_and_remat_regions_match_the_presets():
     assert rows["remat-matmuls"].activation_bytes == rows["matmuls"].activation_bytes
     # Saving by op type also caches the down projection, which backward never reads.
     assert rows["op-sac-matmuls"].activation_bytes > rows["matmuls"].activation_bytes
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(titan_import_error() is not None, reason="torchtitan's AC module does not import here")
+def test_torchtitan_selective_ac_row_is_exact_under_unwrapped_names():
+    from bench.peer_methods import titan_sac_installer
+
+    rows = _rows("moe", [("titan-sac", titan_sac_installer)])
+    row = rows["titan-sac"]
+    # torchtitan wraps each layer in a checkpoint_wrapper module; gradients still compare
+    # parameter by parameter, and its save list keeps less than no checkpointing.
+    assert row.loss_identical and row.census_match and row.max_abs_grad_diff == 0.0
+    assert "SelectiveAC" in row.description
+    assert row.activation_bytes < rows["none"].activation_bytes
+
+
+@pytest.mark.slow
+@pytest.mark.compile
+def test_compiled_rows_run_compiled_under_the_meter_and_the_budget_takes_effect():
+    torch._dynamo.reset()
+    entries = [
+        ("compile[1.0]", compile_budget_installer(1.0, fullgraph=True)),
+        ("compile[0.0]", compile_budget_installer(0.0, fullgraph=True)),
+        ("matmuls, compiled", compiled_actplan_installer(RecomputeConfig.from_preset("matmuls"))),
+        ("matmuls", config_installer(RecomputeConfig.from_preset("matmuls"))),
+    ]
+    compiled = frozenset(name for name, _ in entries if "compile" in name)
+    rows = _rows("dense", entries, compiled)
+    for row in rows.values():
+        # aot_eager runs the same aten kernels as eager: on this model nothing moves, not a bit.
+        assert row.loss_identical and row.census_match and row.max_abs_grad_diff == 0.0, row.name
+    none = rows["none"].activation_bytes
+    # Each model compiled its own graphs under its own budget, and the meter saw them run: the
+    # default partitioner already keeps less than eager, a budget of 0 keeps least.
+    assert rows["compile[0.0]"].activation_bytes < rows["compile[1.0]"].activation_bytes < none
+    # actplan's plan decides what its compiled layers keep: no more than the eager plan holds.
+    assert rows["matmuls, compiled"].activation_bytes <= rows["matmuls"].activation_bytes
 
 
 @pytest.mark.slow
@@ -127,6 +172,7 @@ def test_compare_reports_a_peer_nothing_beats():
 
 
 @pytest.mark.slow
+@pytest.mark.compile
 def test_peers_bench_runs_end_to_end(tmp_path):
     code = peers.main(
         [
@@ -140,6 +186,8 @@ def test_peers_bench_runs_end_to_end(tmp_path):
             "0",
             "--overhead-repeats",
             "2",
+            "--compile-budgets",
+            "0.2",
             "--out",
             str(tmp_path),
             "--cache-dir",
@@ -150,16 +198,29 @@ def test_peers_bench_runs_end_to_end(tmp_path):
     for model in ("dense", "moe"):
         out = json.loads((tmp_path / f"peers_{model}_tiny.json").read_text())
         names = {r["name"] for r in out["rows"]}
+        titan = "titan-op-sac" if titan_import_error() else "titan-sac"
         assert {
             "none",
             "torch-checkpoint",
-            "titan-op-sac",
+            titan,
             "remat-full",
             "remat-attn",
             "remat-matmuls",
+            "compile[budget=0.2]",
+            "compile[budget=1.0]",
         } <= names
         assert all(r["parity_ok"] for r in out["rows"])
-        peer_names = {r["name"] for r in out["rows"] if r["kind"] == "peer"}
+        assert {s["peer"] for s in out["skipped_peers"]} >= {"rockmate"}
+        kinds = {r["name"]: r["kind"] for r in out["rows"]}
+        if model == "dense":
+            assert {"full, compiled", "matmuls, compiled"} <= {n for n, k in kinds.items() if k == "compiled"}
+        else:  # MoE layers do not compile with fullgraph=True: no compiled actplan rows
+            assert "compiled" not in kinds.values()
+        automatic = [c for c in out["at_same_peak"] if c["automatic"]]
+        assert {c["peer"] for c in automatic} == {"compile[budget=0.2]", "compile[budget=1.0]"}
+        goals = [g["goal"] for g in out["goals"]]
+        assert sum("at least 10% faster" in g for g in goals) == len(automatic)
+        peer_names = {r["name"] for r in out["rows"] if r["kind"] in ("peer", "automatic-peer")}
         assert {c["peer"] for c in out["at_same_peak"]} == peer_names
         for c in out["at_same_peak"]:
             if c["best"] is not None:
@@ -170,7 +231,15 @@ def test_peers_bench_runs_end_to_end(tmp_path):
         assert {p["peer"] for p in out["cpu_overhead"]["pairs"]} >= {"remat-attn", "torch-checkpoint"}
         report = (tmp_path / f"peers_{model}_tiny.md").read_text()
         assert "## CPU-side overhead per checkpointed layer" in report and "## Goals" in report
+        assert "## Automatic peers: torch.compile's activation_memory_budget" in report
+        assert "not run: rockmate" in report
         assert (tmp_path / f"peers_{model}_tiny.png").stat().st_size > 10_000
+
+
+def test_compile_budgets_outside_0_to_1_are_an_error(capsys):
+    with pytest.raises(SystemExit):
+        peers.main(["--compile-budgets", "0.5,1.5"])
+    assert "--compile-budgets takes numbers from 0 to 1" in capsys.readouterr().err
 
 
 def test_unknown_model_is_an_error(capsys):

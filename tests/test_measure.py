@@ -505,3 +505,27 @@ def test_op_counter_counts_executed_ops_only():
     assert counter[aten.mm.default] == 3  # forward and two gradient GEMMs
     assert counter[aten.relu.default] == 1
     assert counter[aten.topk.default] == 0
+
+
+@pytest.mark.compile
+def test_meter_runs_compiled_code_only_when_asked():
+    # A compiled region under a dispatch mode falls back to eager (and stays eager afterwards on
+    # torch 2.13); with run_compiled the graph runs and the meter sees what it keeps. Compiled
+    # with an activation budget of 0, the graph keeps only its input; eager keeps activations.
+    torch._dynamo.reset()
+    layer = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+    x = torch.randn(32, 64, requires_grad=True)
+
+    def activations(run_compiled: bool) -> int:
+        compiled = torch.compile(layer, backend="aot_eager", isolate_recompiles=True)
+        with torch._functorch.config.patch(activation_memory_budget=0.0):
+            compiled(x).sum().backward()  # compiles, outside the window
+        with MemoryMeter(layer, run_compiled=run_compiled) as meter:
+            out = compiled(x)
+            meter.mark("forward_end")
+            out.sum().backward()
+        return meter.report().marks["forward_end"].activation_bytes
+
+    eager_fallback, compiled_run = activations(False), activations(True)
+    assert eager_fallback > 2 * 32 * 256 * FLOAT32_BYTES  # the hidden activations: eager ran
+    assert compiled_run < eager_fallback / 4

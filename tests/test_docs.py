@@ -52,8 +52,9 @@ def _is_exception_base(name: str, found: set[str]) -> bool:
 
 
 def exception_classes(source: Path = SOURCE) -> set[str]:
-    """Names of the classes defined under ``source`` that derive from an exception,
-    directly or through one another."""
+    """Names of the public classes defined under ``source`` that derive from an exception,
+    directly or through one another (a private one, ``_Name``, is caught inside the package
+    and never reaches a user)."""
     bases: dict[str, set[str]] = {}
     for path in sorted(source.rglob("*.py")):
         tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
@@ -68,7 +69,7 @@ def exception_classes(source: Path = SOURCE) -> set[str]:
             if name not in found and any(_is_exception_base(parent, found) for parent in parents):
                 found.add(name)
                 changed = True
-    return found
+    return {name for name in found if not name.startswith("_")}
 
 
 def prose_lines(text: str) -> list[tuple[int, str]]:

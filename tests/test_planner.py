@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -12,8 +14,12 @@ from actplan.planner import (
     Candidate,
     PlanProblem,
     brute_force,
+    front_table,
     minimum_peak,
+    none_peak,
+    pareto_front,
     parse_budget,
+    plan_summary,
     solve,
 )
 
@@ -93,7 +99,7 @@ def stacks(draw):
 @settings(max_examples=60, deadline=None)
 @given(problem=stacks(), slack=st.floats(0.0, 1.0))
 def test_frontier_solver_matches_the_milp_optimum(problem, slack):
-    lowest, choices = minimum_peak(problem)
+    lowest, _choices = minimum_peak(problem)
     assert lowest == pytest.approx(problem.peak(planner._milp(problem, None)), rel=1e-9)
     budget = lowest * (1 + slack)
     milp = planner._milp(problem, budget * (1 + 1e-9) + 1)
@@ -119,11 +125,48 @@ def test_infeasible_budget_names_the_minimum():
     problem = PlanProblem(layers=(layer, layer), static_bytes=100 * MIB, base_seconds=1.0)
     lowest, choices = minimum_peak(problem)
     assert lowest == 125 * MIB and choices == (0, 0)
-    with pytest.raises(BudgetError, match=r"smallest predicted peak is 125\.0 MiB \(131,072,000 bytes\)"):
+    with pytest.raises(
+        BudgetError, match=r"peaks range from 125\.0 MiB \(131,072,000 bytes\) up to the no-che"
+    ):
         solve(problem, 120 * MIB)
     assert solve(problem, 125 * MIB).names == ("full", "full")
     assert solve(problem, 170 * MIB).names in {("none", "full"), ("full", "none")}
     assert solve(problem, 1000 * MIB).names == ("none", "none")
+
+
+@settings(max_examples=40, deadline=None)
+@given(problem=stacks(), shares=st.lists(st.floats(0.0, 1.2), min_size=1, max_size=5))
+def test_the_front_holds_the_fastest_plan_at_every_budget(problem, shares):
+    front = pareto_front(problem)
+    peaks = [s.predicted_peak_bytes for s in front]
+    times = [s.predicted_seconds for s in front]
+    assert peaks == sorted(peaks) and all(a > b for a, b in itertools.pairwise(times))
+    assert peaks[0] == pytest.approx(minimum_peak(problem)[0], rel=1e-9)
+    for share in shares:
+        budget = peaks[0] + share * (peaks[-1] - peaks[0])
+        best = max(
+            (s for s in front if s.predicted_peak_bytes <= budget), key=lambda s: s.predicted_peak_bytes
+        )
+        assert solve(problem, budget).predicted_seconds == pytest.approx(best.predicted_seconds, abs=1e-9)
+
+
+def test_the_front_as_a_table():
+    layer = (Candidate("full", 10 * MIB, 5 * MIB, 0.2), Candidate("none", 50 * MIB, 1 * MIB, 0.0))
+    problem = PlanProblem(layers=(layer, layer, layer), static_bytes=100 * MIB, base_seconds=1.0)
+    front = pareto_front(problem)
+    assert [s.names for s in front] == [
+        ("full", "full", "full"),
+        ("full", "full", "none"),  # the last layer's backward runs first: keeping it costs least
+        ("full", "none", "none"),
+        ("none", "none", "none"),
+    ]
+    assert none_peak(problem) == front[-1].predicted_peak_bytes == 251 * MIB
+    lines = front_table(front, 1.0, none_peak(problem)).splitlines()
+    assert lines[0].split()[:3] == ["peak", "share", "step"]
+    assert lines[1].split() == ["135.0", "MiB", "54%", "1.600x", "0-2", "full"]
+    assert lines[2].endswith("0-1 full; 2 none")
+    assert lines[-1].endswith("0-2 none")
+    assert plan_summary(("a", "a", "b", "a")) == "0-1 a; 2 b; 3 a"
 
 
 def test_peak_follows_the_phases_of_backward():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 
 import pytest
@@ -189,16 +190,45 @@ def test_cli_plan_writes_the_plan_and_the_plot(dense, cache, tmp_path, capsys):
     assert plot.exists()
 
 
-def test_cli_plan_below_the_minimum_states_it(dense, cache, capsys):
+def test_cli_plan_below_the_minimum_states_the_range_and_the_trade_off(dense, cache, capsys):
     args = ["plan", "--model", "model_factories:dense_long", "--budget", "1MiB", "--min-bytes", "0"]
     assert main([*args, "--cache-dir", str(cache), "--no-run", "--plot", "", "--quiet"]) == 2
-    assert "smallest predicted peak is" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "predicted peaks range from" in printed and "up to the no-checkpoint peak" in printed
+    assert "What each budget buys" in printed and "0-1 none" in printed  # the front's last row
 
 
-def test_cli_plan_rejects_a_malformed_budget(dense, cache, capsys):
+def test_cli_plan_above_the_no_checkpoint_peak_says_so(dense, cache, tmp_path, capsys):
+    args = ["plan", "--model", "model_factories:dense_long", "--budget", "150%", "--min-bytes", "0"]
+    args += ["--cache-dir", str(cache), "--out", str(tmp_path / "p.yaml")]
+    assert main([*args, "--no-run", "--plot", "", "--quiet"]) == 0
+    assert "at or above the predicted peak without checkpointing" in capsys.readouterr().out
+
+
+def test_cli_plan_rejects_a_malformed_budget_before_any_work(tmp_path, capsys):
+    # A fresh cache directory: profiling would take seconds and write a file there.
     args = ["plan", "--model", "model_factories:dense_long", "--budget", "lots", "--min-bytes", "0"]
-    assert main([*args, "--cache-dir", str(cache), "--no-run", "--plot", "", "--quiet"]) == 2
+    assert main([*args, "--cache-dir", str(tmp_path), "--no-run", "--plot", "", "--quiet"]) == 2
     assert "cannot read budget 'lots'" in capsys.readouterr().out
+    assert not list(tmp_path.iterdir())
+
+
+def test_cli_plan_sweep_prints_the_front_without_running(dense, cache, tmp_path, capsys):
+    report = tmp_path / "front.json"
+    args = ["plan", "--model", "model_factories:dense_long", "--sweep", "--min-bytes", "0"]
+    args += ["--cache-dir", str(cache), "--plot", "", "--json", str(report), "--quiet"]
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    front = json.loads(report.read_text())["front"]
+    _, profile = dense
+    assert front[0]["predicted_peak_bytes"] == pytest.approx(minimum_peak(profile.problem())[0])
+    assert front[-1]["candidates"] == ["none"] * 2 and front[-1]["share_of_none_peak"] == pytest.approx(1.0)
+    assert all(a["predicted_ratio"] > b["predicted_ratio"] for a, b in itertools.pairwise(front))
+    assert "0-1 none" in printed and "every plan worth having" in printed
+    with pytest.raises(SystemExit):
+        main(["plan", "--model", "dense", "--sweep", "--budget", "50%"])  # one or the other
+    assert main([*args, "--out", str(tmp_path / "x.yaml")]) == 2
+    assert "--sweep writes no plan" in capsys.readouterr().out
 
 
 @pytest.mark.slow

@@ -23,7 +23,16 @@ from actplan.apply import plan_for
 from actplan.config import PRESETS, RecomputeConfig
 from actplan.measure import MemoryMeter, interleaved_timing, ratio
 from actplan.models import ModelBundle
-from actplan.planner import BudgetError, Solution, minimum_peak, parse_budget, solve
+from actplan.planner import (
+    BudgetError,
+    PlanProblem,
+    Solution,
+    front_table,
+    none_peak,
+    pareto_front,
+    parse_budget,
+    solve,
+)
 from actplan.profile import (
     ModelProfile,
     cache_key,
@@ -143,9 +152,9 @@ def preset_choices(profile: ModelProfile, preset: str) -> list[int] | None:
     return choices
 
 
-def pareto_points(profile: ModelProfile, budgets: int = 12) -> list[ParetoPoint]:
-    """Predicted (peak, step-time ratio) of every preset and of the planner over a budget sweep
-    from the feasible minimum to the no-checkpoint peak."""
+def pareto_points(profile: ModelProfile) -> list[ParetoPoint]:
+    """Predicted (peak, step-time ratio) of every preset and of every plan on the planner's
+    front (``planner.pareto_front``)."""
     problem = profile.problem()
     points = []
     for preset in PRESETS:
@@ -156,21 +165,27 @@ def pareto_points(profile: ModelProfile, budgets: int = 12) -> list[ParetoPoint]
                     preset, "preset", problem.peak(choices), problem.seconds(choices) / profile.base_seconds
                 )
             )
-    lowest, _ = minimum_peak(problem)
-    none = preset_choices(profile, "none")
-    top = problem.peak(none) if none is not None else lowest * 2
-    for step in range(budgets):
-        budget = lowest + (top - lowest) * step / max(budgets - 1, 1)
-        solution = solve(problem, budget)
+    for solution in pareto_front(problem):
         points.append(
             ParetoPoint(
-                f"budget {budget / 2**20:.1f} MiB",
+                f"peak {solution.predicted_peak_bytes / 2**20:.1f} MiB",
                 "plan",
                 solution.predicted_peak_bytes,
                 solution.predicted_seconds / profile.base_seconds,
             )
         )
     return points
+
+
+def teaching_error(problem: PlanProblem, err: BudgetError, rows: int = 12) -> BudgetError:
+    """``err`` with the trade-off appended: up to ``rows`` points of the front, spread over it."""
+    front = pareto_front(problem)
+    if len(front) > rows:
+        front = [front[round(i * (len(front) - 1) / (rows - 1))] for i in range(rows)]
+    table = front_table(front, problem.base_seconds, none_peak(problem))
+    return BudgetError(
+        f"{err}\n\nWhat each budget buys (predicted; `actplan plan --sweep` lists every point):\n{table}"
+    )
 
 
 def write_pareto_plot(
@@ -251,6 +266,7 @@ class BudgetPlanResult:
     prediction_error: dict[str, float] | None
     pareto: list[dict[str, Any]] = field(default_factory=list)
     plot_path: str | None = None
+    notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -286,7 +302,17 @@ def plan_under_budget(
     )
     budget_bytes = parse_budget(budget, profile.none_peak_bytes)
     problem = profile.problem()
-    solution: Solution = solve(problem, budget_bytes)
+    try:
+        solution: Solution = solve(problem, budget_bytes)
+    except BudgetError as err:
+        raise teaching_error(problem, err) from None
+    notes = []
+    top = none_peak(problem)
+    if top is not None and budget_bytes >= top:
+        notes.append(
+            f"the budget {budget_bytes / 2**20:.1f} MiB is at or above the predicted peak without "
+            f"checkpointing ({top / 2**20:.1f} MiB): nothing needs recomputing or offloading"
+        )
     config = config_for(profile, solution.choices)
     _check_resolution(bundle, profile, solution, config)
     if out is not None:
@@ -330,6 +356,7 @@ def plan_under_budget(
         measured=measured,
         prediction_error=error,
         pareto=[asdict(p) for p in points],
+        notes=notes,
     )
     if plot is not None:
         requested = {
@@ -363,6 +390,22 @@ def _check_resolution(
             )
 
 
+def sweep(profile: ModelProfile) -> list[dict[str, Any]]:
+    """Every plan on the predicted front of ``profile``, least peak first: peak, step-time
+    ratio, share of the no-checkpoint peak and the candidate per layer. Nothing is run."""
+    problem = profile.problem()
+    top = none_peak(problem)
+    return [
+        {
+            "predicted_peak_bytes": s.predicted_peak_bytes,
+            "share_of_none_peak": s.predicted_peak_bytes / top if top else None,
+            "predicted_ratio": s.predicted_seconds / profile.base_seconds,
+            "candidates": list(s.names),
+        }
+        for s in pareto_front(problem)
+    ]
+
+
 __all__ = [
     "BudgetError",
     "BudgetPlanResult",
@@ -372,5 +415,7 @@ __all__ = [
     "measure_config",
     "pareto_points",
     "plan_under_budget",
+    "sweep",
+    "teaching_error",
     "write_pareto_plot",
 ]

@@ -353,7 +353,11 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
     import json
 
     from actplan.budget import plan_under_budget
+    from actplan.planner import parse_budget
 
+    if args.sweep:
+        return _sweep(args, console)
+    parse_budget(args.budget, none_peak_bytes=1.0)  # a malformed budget fails before any work
     bundle, device, options = _profile_inputs(args)
     with _progress_bar(console, args.quiet) as bar:
         task = bar.add_task("profiling", total=None)
@@ -362,13 +366,15 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
             args.model,
             args.budget,
             device,
-            out=args.out,
+            out=args.out or "plan.yaml",
             plot=args.plot or None,
             run=not args.no_run,
             **options,
             progress=lambda label: bar.update(task, description=label),
         )
     solution = result.solution
+    for note in result.notes:
+        console.print(f"[yellow]note:[/] {note}")
     table = Table(title=f"plan for {result.model} under {mib(result.budget_bytes)} MiB")
     for column in ("", "peak MiB", "step time / none"):
         table.add_column(column, justify="left" if not column else "right")
@@ -402,6 +408,47 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
     if result.measured is not None and not result.measured["loss_identical"]:
         console.print("[red]the plan's loss differs from no checkpointing[/]")
         return 1
+    return 0
+
+
+def _sweep(args: argparse.Namespace, console: Console) -> int:
+    """``actplan plan --sweep``: the whole predicted front, nothing run."""
+    import json
+
+    from actplan.budget import get_profile, pareto_points, sweep, write_pareto_plot
+    from actplan.planner import plan_summary
+
+    if args.out or args.no_run:
+        raise ValueError("--sweep writes no plan and runs nothing: drop --out and --no-run")
+    bundle, device, options = _profile_inputs(args)
+    with _progress_bar(console, args.quiet) as bar:
+        task = bar.add_task("profiling", total=None)
+        profile, _ = get_profile(
+            bundle, args.model, device, **options, progress=lambda label: bar.update(task, description=label)
+        )
+    front = sweep(profile)
+    table = Table(
+        title=f"every plan worth having for {profile.model} (predicted, fastest at each peak)",
+        caption="pick a peak, then `actplan plan --budget <peak>` writes and checks that plan",
+    )
+    for column in ("peak MiB", "of none", "step time / none", "plan (layers: candidate)"):
+        table.add_column(column, justify="left" if column.startswith("plan") else "right")
+    for point in front:
+        share = point["share_of_none_peak"]
+        table.add_row(
+            mib(point["predicted_peak_bytes"]),
+            f"{share:.0%}" if share is not None else "-",
+            f"{point['predicted_ratio']:.3f}",
+            plan_summary(point["candidates"]),
+        )
+    console.print(table)
+    if args.plot:
+        write_pareto_plot(pareto_points(profile), args.plot, f"{profile.model} on {profile.device}")
+        console.print(f"wrote {args.plot}")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"model": profile.model, "front": front}, indent=2) + "\n")
+        console.print(f"wrote {args.json}")
     return 0
 
 
@@ -549,12 +596,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     plan = sub.add_parser("plan", help="the fastest plan under a memory budget: solve, write, run, check")
     _add_profile_options(plan)
-    plan.add_argument(
+    target = plan.add_mutually_exclusive_group(required=True)
+    target.add_argument(
         "--budget",
-        required=True,
         help="bytes ('40GiB', '1.5GB') or a share of the no-checkpoint peak ('60%%')",
     )
-    plan.add_argument("--out", default="plan.yaml", help="where to write the plan (YAML or JSON)")
+    target.add_argument(
+        "--sweep",
+        action="store_true",
+        help="print every plan on the predicted memory/time front (no budget needed; nothing is run)",
+    )
+    plan.add_argument("--out", help="where to write the plan (YAML or JSON; default plan.yaml)")
     plan.add_argument("--plot", default="pareto.png", help="Pareto plot (PNG); '' for none")
     plan.add_argument("--no-run", action="store_true", help="solve and write only")
     plan.set_defaults(run=_plan)

@@ -50,7 +50,10 @@ __all__ = [
     "PlanProblem",
     "Solution",
     "brute_force",
+    "front_table",
     "minimum_peak",
+    "none_peak",
+    "pareto_front",
     "parse_budget",
     "solve",
 ]
@@ -204,7 +207,8 @@ def _suffix_bounds(layers: tuple[tuple[Candidate, ...], ...]) -> list[tuple[floa
             if hull and y >= hull[-1][1]:
                 continue  # more bytes for no less time: never on the lower-left hull
             while len(hull) >= 2 and (
-                (hull[-1][0] - hull[-2][0]) * (y - hull[-2][1]) <= (hull[-1][1] - hull[-2][1]) * (x - hull[-2][0])
+                (hull[-1][0] - hull[-2][0]) * (y - hull[-2][1])
+                <= (hull[-1][1] - hull[-2][1]) * (x - hull[-2][0])
             ):
                 hull.pop()
             hull.append((x, y))
@@ -216,14 +220,12 @@ def _suffix_bounds(layers: tuple[tuple[Candidate, ...], ...]) -> list[tuple[floa
     for hull in reversed(hulls):
         least += hull[0][0]
         seconds += hull[0][1]
-        for (x0, y0), (x1, y1) in zip(hull, hull[1:], strict=False):
+        for (x0, y0), (x1, y1) in itertools.pairwise(hull):
             widths.append(x1 - x0)
             drops.append(y0 - y1)
         width, drop = np.array(widths), np.array(drops)
         order = np.argsort(-drop / np.maximum(width, 1e-300), kind="stable")
-        out.append(
-            (least, np.r_[0.0, np.cumsum(width[order])], seconds - np.r_[0.0, np.cumsum(drop[order])])
-        )
+        out.append((least, np.r_[0.0, np.cumsum(width[order])], seconds - np.r_[0.0, np.cumsum(drop[order])]))
     out.reverse()
     return out
 
@@ -474,21 +476,37 @@ def minimum_peak(problem: PlanProblem) -> tuple[float, tuple[int, ...]]:
     return problem.peak(choices), choices
 
 
+def none_peak(problem: PlanProblem) -> float | None:
+    """The predicted peak with every layer on its ``none`` candidate (no checkpointing), or
+    ``None`` where some layer has no candidate of that name."""
+    choices = []
+    for candidates in problem.layers:
+        names = [c.name for c in candidates]
+        if "none" not in names:
+            return None
+        choices.append(names.index("none"))
+    return problem.peak(choices)
+
+
 def solve(problem: PlanProblem, budget_bytes: float) -> Solution:
     """The fastest predicted choice whose predicted peak is at most ``budget_bytes``.
 
-    Raises ``BudgetError`` stating the feasible minimum when no choice fits.
+    Raises ``BudgetError`` stating the feasible range when no choice fits.
     """
     # A hair of slack so a budget equal to a candidate's exact peak admits it despite rounding.
     fits = problem.optimizer_phase_bytes <= budget_bytes
     choices = _exact(problem, budget_bytes * (1 + 1e-9) + 1) if fits else None
     if choices is None or problem.peak(choices) > budget_bytes * (1 + 1e-6) + 1:
         minimum, _ = minimum_peak(problem)
+        top = none_peak(problem)
+        feasible = f"{_gib(minimum)} ({minimum:,.0f} bytes)" + (
+            f" up to the no-checkpoint peak {_gib(top)}" if top is not None else ""
+        )
         raise BudgetError(
-            f"no plan fits a budget of {_gib(budget_bytes)}: the smallest predicted peak is "
-            f"{_gib(minimum)} ({minimum:,.0f} bytes), with parameters and optimizer state taking "
-            f"{_gib(problem.static_bytes)} and the optimizer step {_gib(problem.optimizer_phase_bytes)}; "
-            "raise the budget to at least the minimum, or add cheaper choices (offload)"
+            f"no plan fits a budget of {_gib(budget_bytes)}: predicted peaks range from {feasible}. "
+            f"Parameters and optimizer state take {_gib(problem.static_bytes)} and the optimizer "
+            f"step {_gib(problem.optimizer_phase_bytes)}, whatever the plan. Raise the budget to at "
+            "least the minimum, or add cheaper choices (offload)"
         )
     return Solution(
         choices=choices,
@@ -497,6 +515,62 @@ def solve(problem: PlanProblem, budget_bytes: float) -> Solution:
         predicted_seconds=problem.seconds(choices),
         budget_bytes=budget_bytes,
     )
+
+
+def pareto_front(problem: PlanProblem, limit: int = 1000) -> list[Solution]:
+    """Every plan on the front of predicted peak against predicted time, least peak first:
+    each is the fastest plan at its peak, and each is faster than every plan of a lower peak.
+
+    Found by solving at no budget, then just under the last plan's peak, until nothing fits
+    (exact: a plan the walk skips would be faster than the next one found below it). At most
+    ``limit`` points; a longer front raises ``ValueError``.
+    """
+    front: list[Solution] = []
+    lowest, _ = minimum_peak(problem)
+    budget = float("inf")
+    while True:
+        solution = solve(problem, budget)
+        if front and solution.predicted_seconds <= front[-1].predicted_seconds * (1 + 1e-12):
+            front[-1] = solution  # as fast at a lower peak: it replaces the point above
+        else:
+            front.append(solution)
+        if len(front) > limit:
+            raise ValueError(f"the front has more than {limit} points; pass a larger limit")
+        budget = solution.predicted_peak_bytes * (1 - 1e-6) - 2
+        if budget < lowest:
+            break
+    front.reverse()
+    return front
+
+
+def front_table(front: Sequence[Solution], base_seconds: float, top_peak: float | None = None) -> str:
+    """The front as plain text: peak (and its share of ``top_peak``), step time against
+    ``base_seconds``, and each plan's candidates by layer range."""
+    rows = [("peak", "share", "step time", "plan (layers: candidate)")]
+    for s in front:
+        share = f"{s.predicted_peak_bytes / top_peak:.0%}" if top_peak else "-"
+        rows.append(
+            (
+                _gib(s.predicted_peak_bytes),
+                share,
+                f"{s.predicted_seconds / base_seconds:.3f}x",
+                plan_summary(s.names),
+            )
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    return "\n".join("  ".join(r[i].rjust(widths[i]) for i in range(3)) + "  " + r[3] for r in rows)
+
+
+def plan_summary(names: Sequence[str]) -> str:
+    """``'0-1 full; 2-5 matmuls+offload'``: consecutive layers with the same candidate merged."""
+    parts: list[str] = []
+    start = 0
+    for i in range(1, len(names) + 1):
+        if i == len(names) or names[i] != names[start]:
+            span = f"{start}" if i - 1 == start else f"{start}-{i - 1}"
+            parts.append(f"{span} {names[start]}")
+            start = i
+    return "; ".join(parts)
 
 
 def brute_force(problem: PlanProblem, budget_bytes: float) -> tuple[float, tuple[int, ...]] | None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -401,3 +403,38 @@ def test_bench_runs_the_reference_llama():
     assert all(row.parity_ok for row in result.rows)
     rows = {row.name: row for row in result.rows}
     assert rows["full"].activation_bytes < rows["none"].activation_bytes
+
+
+HF_DOC = Path(__file__).resolve().parents[1] / "docs" / "huggingface.md"
+
+
+def _doc_block(needle: str) -> str:
+    (block,) = [b for b in re.findall(r"```python\n(.*?)```", HF_DOC.read_text(), flags=re.S) if needle in b]
+    return block
+
+
+@pytest.mark.slow
+def test_the_trainer_example_runs_and_matches_training_without_the_plan(tmp_path, monkeypatch):
+    pytest.importorskip("accelerate")
+    monkeypatch.chdir(tmp_path)
+    example = _doc_block("transformers.Trainer(")
+    apply_line = 'plan = actplan.apply(model, "matmuls")\nprint(plan.summary())\n'
+    assert apply_line in example
+    weights = []
+    for code in (example, example.replace(apply_line, "")):
+        namespace: dict = {}
+        exec(compile(code, str(HF_DOC), "exec"), namespace)
+        assert namespace["trainer"].state.global_step == 2
+        if "plan" in namespace:  # the example as written: both layers were checkpointed
+            assert len(namespace["plan"].checkpointed) == 2
+        weights.append({k: v.clone() for k, v in namespace["model"].state_dict().items()})
+    with_plan, without = weights
+    assert with_plan.keys() == without.keys()
+    changed = [k for k in without if not torch.equal(with_plan[k], without[k])]
+    assert not changed, changed[:5]
+
+
+def test_the_layout_example_runs():
+    namespace: dict = {}
+    exec(compile(_doc_block('layouts={"MambaBlock"'), str(HF_DOC), "exec"), namespace)
+    assert [u.value for u in namespace["plan"].layers[0].kept_units] == ["qkv_proj", "attn_core", "attn_proj"]

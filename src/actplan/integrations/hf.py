@@ -73,9 +73,9 @@ LAYOUTS: dict[str, dict[RecomputeUnit, list[Span]]] = {
 derived). A span whose module is missing in a given layer (a dense layer of an MoE model, a
 model without QK-norm) is left out.
 
-Qwen3-MoE routers with ``norm_topk_prob=True`` normalise their top-k weights in place,
-which a saved routing output cannot survive: such models need ``save_collectives: false``
-and the router recomputed (the error says so)."""
+Routers that normalise their top-k weights in place (Qwen3-MoE with ``norm_topk_prob=True``,
+Mixtral) are exact in eager layers: the engine replays the update on a copy of the routing
+output taken before it."""
 
 _STATE_ATTR = "_actplan_hf"
 

@@ -313,6 +313,23 @@ def test_interleaved_timing_rotates_order_and_counts_samples():
     assert all(len(s.samples) == 4 for s in stats.values())
 
 
+def test_interleaved_timing_adds_rounds_until_settled():
+    seen = []
+
+    def settled(samples):
+        seen.append(len(samples["a"]))
+        return len(samples["a"]) >= 4
+
+    stats = interleaved_timing(
+        {"a": lambda: None, "b": lambda: None}, repeats=2, max_repeats=6, settled=settled
+    )
+    assert len(stats["a"].samples) == len(stats["b"].samples) == 4 and seen == [2, 3, 4]
+    never = interleaved_timing({"a": lambda: None}, repeats=2, max_repeats=3, settled=lambda s: False)
+    assert len(never["a"].samples) == 3  # the cap holds
+    with pytest.raises(ValueError, match="max_repeats"):
+        interleaved_timing({"a": lambda: None}, repeats=3, max_repeats=2)
+
+
 def test_interleaved_timing_measures_wall_time():
     stats = interleaved_timing({"sleep": lambda: time.sleep(0.01), "noop": lambda: None}, repeats=3, warmup=0)
     assert stats["sleep"].min >= 0.01

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import itertools
 import json
+import time
 
 import pytest
 import torch
@@ -45,7 +46,7 @@ def moe(cache):
 # Cache keys
 
 
-def test_cache_key_follows_shapes_dtype_device_torch_and_threshold(monkeypatch):
+def test_cache_key_follows_shapes_dtype_device_torch_threshold_and_bandwidth(monkeypatch):
     bundle = build_model("dense", "tiny")
     key = cache_key(bundle, "dense", CPU, 0)
     assert cache_key(bundle, "dense", CPU, 0) == key
@@ -56,6 +57,8 @@ def test_cache_key_follows_shapes_dtype_device_torch_and_threshold(monkeypatch):
     assert cache_key(double, "dense", CPU, 0) != key
     assert cache_key(bundle, "dense", torch.device("meta"), 0) != key
     assert cache_key(bundle, "dense", CPU, 1024) != key
+    # A forced copy bandwidth changes offload's charge: another profile, never the measured one.
+    assert cache_key(bundle, "dense", CPU, 0, 25e9) not in {key, cache_key(bundle, "dense", CPU, 0, 5e9)}
     monkeypatch.setattr(torch, "__version__", "2.99.0")
     assert cache_key(bundle, "dense", CPU, 0) != key
 
@@ -95,6 +98,12 @@ def test_profile_has_every_candidate_kind_and_sane_costs(dense, cache):
     assert none.extra_seconds == 0.0 and full.extra_seconds >= 0.0
     offloaded = layer_type.candidate("full+offload")
     assert offloaded.offloaded_bytes == full.retained_bytes and offloaded.retained_bytes == 0
+    # The chain grows one unit at a time, each set measured in full.
+    chain = [c for c in layer_type.candidates if c.name.startswith("keep ") and not c.offload]
+    chain.sort(key=lambda c: len(c.kept_units))
+    sizes = [len(c.kept_units) for c in chain]
+    assert sizes == sorted(set(sizes)) and all(c.transient_bytes > 0 for c in chain)
+    assert all(set(a.kept_units) < set(b.kept_units) for a, b in itertools.pairwise(chain))
     # Cached: the same profile comes back without measuring.
     again, from_cache = get_profile(bundle, "model_factories:dense_long", CPU, cache_dir=cache, min_bytes=0)
     assert from_cache and again == profile
@@ -163,6 +172,24 @@ def test_config_for_round_trips_every_chosen_candidate(moe):
 
 # ---------------------------------------------------------------------------------------------
 # Models and the CLI
+
+
+def test_unit_seconds_times_each_units_own_forward():
+    from actplan.apply import find_layers, interval_map_of
+    from actplan.profile import _capture_layer_inputs, _IsolatedLayer
+
+    bundle = build_model("dense", "tiny", batch_size=8, seq_len=64)
+    (_, layer), *_ = find_layers(bundle.model)
+    (_, args, kwargs), *_ = _capture_layer_inputs(bundle.model, bundle.make_batch(0))
+    isolated = _IsolatedLayer(layer, args, kwargs, 0)
+    units = [u.value for u in interval_map_of(layer).units]
+    seconds = isolated.unit_seconds(interval_map_of(layer), units)
+    assert set(seconds) == set(units) and all(s >= 0 for s in seconds.values())
+    assert seconds["mlp_up"] > 0 and seconds["attn_core"] > 0
+    # Together they fit inside one forward of the layer (the spans do not overlap).
+    start = time.perf_counter()
+    isolated.step(layer, backward=False)
+    assert sum(seconds.values()) < 3 * (time.perf_counter() - start) + 0.01
 
 
 def test_model_spec_errors_name_the_fix():

@@ -61,12 +61,10 @@ def get_profile(
     """The cached profile when its key matches (model, shapes, dtype, device, torch version),
     else a fresh one, stored. Returns ``(profile, came_from_cache)``."""
     directory = cache_dir or default_cache_dir()
-    key = cache_key(bundle, spec, device, min_bytes)
+    key = cache_key(bundle, spec, device, min_bytes, bandwidth)
     if not refresh:
         cached = load_cached(directory, key)
-        if cached is not None and (
-            bandwidth is None or cached.bandwidth_bytes_per_s["device_to_host"] == bandwidth
-        ):
+        if cached is not None:
             return cached, True
     profile = profile_model(
         bundle,

@@ -581,14 +581,18 @@ def interleaved_timing(
     repeats: int,
     warmup: int = 1,
     progress: Callable[[str], None] | None = None,
+    max_repeats: int | None = None,
+    settled: Callable[[Mapping[str, list[float]]], bool] | None = None,
 ) -> dict[str, TimingStats]:
     """Time every callable in ``runs`` in interleaved rounds so drift hits all of them alike.
 
     ``warmup`` untimed rounds come first, then ``repeats`` timed rounds; each round runs every
     callable once, the order rotated by one each round (A B C, B C A, C A B, ...). Sample ``i``
     of every result comes from round ``i``, so results can be paired with :func:`ratio`.
-    ``progress(name)`` is called after every run, warm-up included: ``(warmup + repeats) *
-    len(runs)`` calls in all. On CUDA each run is bracketed by ``torch.cuda.synchronize()``.
+    With ``settled``, timing is adaptive: after ``repeats`` rounds, further rounds run until
+    ``settled(samples)`` is true or ``max_repeats`` rounds are done.
+    ``progress(name)`` is called after every run, warm-up included. On CUDA each run is
+    bracketed by ``torch.cuda.synchronize()``.
     """
     if not runs:
         raise ValueError("interleaved_timing needs at least one callable in `runs`")
@@ -596,9 +600,15 @@ def interleaved_timing(
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     if warmup < 0:
         raise ValueError(f"warmup must be >= 0, got {warmup}")
+    last = repeats if max_repeats is None else max_repeats
+    if last < repeats:
+        raise ValueError(f"max_repeats ({max_repeats}) must be at least repeats ({repeats})")
     names = list(runs)
     samples: dict[str, list[float]] = {name: [] for name in names}
-    for round_index in range(warmup + repeats):
+    for round_index in range(warmup + last):
+        timed = round_index - warmup
+        if timed >= repeats and (settled is None or settled(samples)):
+            break
         shift = round_index % len(names)
         for name in names[shift:] + names[:shift]:
             synchronize = _cuda_in_use()

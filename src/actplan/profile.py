@@ -13,10 +13,14 @@ memory meter and the interleaved timer:
 
 Candidates: ``none``, ``full``, each preset, a greedy chain (starting from ``full``, add
 the unit that saves the most time per byte kept, until every unit is kept), and, for every
-checkpointed candidate, the same with its input and kept units offloaded. The fixed costs
+checkpointed candidate, the same with its input and kept units offloaded. The chain ranks
+units by the time each saves when kept alone (timed once, with the presets) over the bytes
+the set it would make retains (a forward-only measurement per set tried), so each set is
+timed only if it joins the chain. Timing is adaptive: at least 3 interleaved rounds, more
+(up to ``repeats``) while a difference is still loose (``SETTLED_SHARE``). The fixed costs
 (parameters, gradients, AdamW state, activations outside the layers) and the step time
 without checkpointing come from whole-model steps. Results are JSON, cached by a key of
-model, shapes, dtype, device and torch version.
+model, shapes, dtype, device, torch version, offload threshold and any forced bandwidth.
 """
 
 from __future__ import annotations
@@ -25,9 +29,11 @@ import copy
 import functools
 import hashlib
 import json
+import math
 import os
+import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -39,13 +45,14 @@ from torch.utils._pytree import tree_leaves, tree_map
 import actplan
 from actplan.apply import find_layers, interval_map_of, offload_engine
 from actplan.config import PRESETS, RecomputeConfig
+from actplan.markers import routing_markers
 from actplan.measure import MemoryMeter, interleaved_timing
 from actplan.models import ModelBundle
 from actplan.plan import format_indices
 from actplan.planner import Candidate, PlanProblem
 from actplan.sizes import DEFAULT_OFFLOAD_MIN_BYTES
 
-PROFILE_FORMAT = 2  # 2: candidates measured with the needs-based eager engine
+PROFILE_FORMAT = 3  # 2: needs-based eager engine; 3: the chain ranked by additive savings
 
 
 @dataclass
@@ -150,9 +157,12 @@ class ModelProfile:
 # Cache
 
 
-def cache_key(bundle: ModelBundle, spec: str, device: torch.device, min_bytes: int) -> str:
+def cache_key(
+    bundle: ModelBundle, spec: str, device: torch.device, min_bytes: int, bandwidth: float | None = None
+) -> str:
     """A digest of everything a profile depends on: model spec, parameter and batch shapes and
-    dtypes, device type, torch version, offload threshold and this file's format."""
+    dtypes, device type, torch version, offload threshold, a forced copy bandwidth (``None``:
+    measured) and this file's format."""
     batch = bundle.make_batch(0)
     described = {
         "spec": spec,
@@ -162,6 +172,7 @@ def cache_key(bundle: ModelBundle, spec: str, device: torch.device, min_bytes: i
         "torch": torch.__version__,
         "min_bytes": min_bytes,
         "format": PROFILE_FORMAT,
+        **({"bandwidth": bandwidth} if bandwidth is not None else {}),
     }
     return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:20]
 
@@ -315,6 +326,9 @@ class _IsolatedLayer:
 
     def __init__(self, layer: nn.Module, args: tuple, kwargs: dict, min_bytes: int) -> None:
         self.layer = layer
+        self.device = next((p.device for p in layer.parameters()), torch.device("cpu"))
+        # Prepared layers by candidate, and whether they have run a whole step.
+        self._ready: dict[tuple[str, tuple[str, ...], bool], tuple[nn.Module, bool]] = {}
         self.args, self.kwargs = args, kwargs
         self.min_bytes = min_bytes
         # The gradient arriving from the next layer: fixed, so every candidate sees the same.
@@ -362,7 +376,9 @@ class _IsolatedLayer:
                 p.grad = torch.zeros_like(p)  # accumulate in place: grads are a fixed cost
         return layer
 
-    def step(self, layer: nn.Module, meter: MemoryMeter | None = None) -> dict[str, int]:
+    def step(
+        self, layer: nn.Module, meter: MemoryMeter | None = None, backward: bool = True
+    ) -> dict[str, int]:
         torch.manual_seed(0)
         args, kwargs = self._inputs()
         out = layer(*args, **kwargs)
@@ -378,28 +394,97 @@ class _IsolatedLayer:
             }
             figures["retained"] = live - sum(out_storages.values())
             figures["live_forward_end"] = live
-        torch.autograd.backward(outputs, self.grads)
+        if backward:
+            torch.autograd.backward(outputs, self.grads)
         return figures
 
+    def _warm(self, candidate: CandidateProfile, backward: bool = True) -> nn.Module:
+        """The candidate's prepared layer after an untimed, unmetered forward (its learning
+        call; later metered figures are the same whether that forward had its backward or
+        not) and, with ``backward``, a whole step. Kept for later measurements until
+        ``forget``."""
+        identity = (candidate.mode, tuple(candidate.kept_units), candidate.offload)
+        if identity not in self._ready:
+            layer = self.prepared(candidate)
+            self.step(layer, backward=backward)
+            self._ready[identity] = (layer, backward)
+        layer, stepped = self._ready[identity]
+        if backward and not stepped:
+            self.step(layer)
+            self._ready[identity] = (layer, True)
+        return layer
+
+    def forget(self, candidates: Iterable[CandidateProfile]) -> None:
+        for c in candidates:
+            self._ready.pop((c.mode, tuple(c.kept_units), c.offload), None)
+
     def measure_memory(self, candidate: CandidateProfile) -> None:
-        layer = self.prepared(candidate)
-        self.step(layer)  # warm-up: lazily created state must not count
+        layer = self._warm(candidate, backward=False)  # lazily created state must not count
         engine = offload_engine(layer)
         if engine is not None:
             engine.reset_stats()
         with MemoryMeter(layer) as meter:
             figures = self.step(layer, meter)
+        identity = (candidate.mode, tuple(candidate.kept_units), candidate.offload)
+        self._ready[identity] = (layer, True)  # the metered step was a whole step
         report = meter.report()
         candidate.retained_bytes = max(figures["retained"], 0)
         candidate.transient_bytes = max(report.peak_live_bytes - figures["live_forward_end"], 0)
         candidate.offloaded_bytes = engine.stats.bytes_offloaded if engine is not None else 0
 
-    def measure_time(self, candidates: list[CandidateProfile], repeats: int, warmup: int) -> None:
-        layers = {c.name: self.prepared(c) for c in candidates}
+    def measure_retained(self, candidate: CandidateProfile) -> None:
+        """Only ``retained_bytes``: a forward to learn the layout, then a metered forward (no
+        backward: the graph is dropped). Enough to rank the sets the greedy chain tries."""
+        layer = self._warm(candidate, backward=False)
+        with MemoryMeter(layer) as meter:
+            figures = self.step(layer, meter, backward=False)
+        candidate.retained_bytes = max(figures["retained"], 0)
+
+    def unit_seconds(self, intervals: Mapping[Any, tuple[Any, ...]], units: list[str]) -> dict[str, float]:
+        """Per unit, the forward time of its marker intervals in the plain layer (median of 3
+        forwards after the warm-up): what the replay no longer reruns when it is kept."""
+        layer = self._warm(CandidateProfile("none", "none", [], offload=False))
+        opens: dict[str, list[tuple[str, str]]] = {}
+        closes: dict[str, list[tuple[str, str]]] = {}
+        for unit, spans in intervals.items():
+            name = getattr(unit, "value", unit)
+            for span in spans:
+                opens.setdefault(span.start, []).append((name, span.end))
+                closes.setdefault(span.end, []).append((name, span.start))
+        synchronize = self.device.type == "cuda"
+        samples: dict[str, list[float]] = {unit: [] for unit in units}
+        for _ in range(3):
+            started: dict[tuple[str, str], float] = {}
+            spent = dict.fromkeys(units, 0.0)
+
+            def sink(marker: str, started=started, spent=spent) -> None:
+                if synchronize:
+                    torch.cuda.synchronize(self.device)
+                now = time.perf_counter()
+                for name, start in closes.get(marker, ()):
+                    begun = started.pop((name, start), None)
+                    if begun is not None and name in spent:
+                        spent[name] += now - begun
+                for name, _ in opens.get(marker, ()):
+                    started[(name, marker)] = now
+
+            with routing_markers(sink):
+                self.step(layer, backward=False)
+            for unit in units:
+                samples[unit].append(spent[unit])
+        return {unit: statistics.median(values) for unit, values in samples.items()}
+
+    def measure_time(self, candidates: list[CandidateProfile], repeats: int) -> None:
+        """Each candidate's ``extra_seconds`` over ``none`` (which must be among them): the
+        median of per-round differences. At least 3 rounds (fewer if ``repeats`` says so),
+        more, up to ``repeats``, while some difference is still unsettled (``_settled``)."""
+        layers = {c.name: self._warm(c) for c in candidates}
         timings = interleaved_timing(
             {name: (lambda layer=layer: self.step(layer)) for name, layer in layers.items()},
-            repeats=repeats,
-            warmup=warmup,
+            repeats=min(3, repeats),
+            max_repeats=repeats,
+            warmup=0,  # each layer has run its warm-up step in `_warm`
+            settled=_settled,
         )
         reference = timings["none"]
         for c in candidates:
@@ -408,6 +493,32 @@ class _IsolatedLayer:
             paired = sorted(a - b for a, b in zip(own.samples, reference.samples, strict=True))
             # More recompute is never cheaper: a negative difference is timer noise.
             c.extra_seconds = max(paired[len(paired) // 2], 0.0) if c.name != "none" else 0.0
+
+
+# Timing stops once every candidate's difference to `none` is known to this share of
+# `none`'s own time (the paired differences' interquartile range over the square root of
+# the rounds).
+SETTLED_SHARE = 0.05
+
+
+def _tight(samples: list[float]) -> bool:
+    quartiles = statistics.quantiles(samples, n=4, method="inclusive")
+    return (quartiles[2] - quartiles[0]) / math.sqrt(len(samples)) <= SETTLED_SHARE * statistics.median(
+        samples
+    )
+
+
+def _settled(samples: Mapping[str, list[float]]) -> bool:
+    reference = samples["none"]
+    scale = statistics.median(reference)
+    for name, own in samples.items():
+        if name == "none":
+            continue
+        differences = sorted(a - b for a, b in zip(own, reference, strict=True))
+        quartiles = statistics.quantiles(differences, n=4, method="inclusive")
+        if (quartiles[2] - quartiles[0]) / math.sqrt(len(differences)) > SETTLED_SHARE * scale:
+            return False
+    return True
 
 
 def _say_for(say: Callable[[str], None], class_name: str, label: str) -> None:
@@ -433,7 +544,6 @@ def profile_model(
     spec: str,
     device: torch.device,
     repeats: int = 5,
-    warmup: int = 1,
     min_bytes: int = DEFAULT_OFFLOAD_MIN_BYTES,
     bandwidth: float | None = None,
     progress: Callable[[str], None] | None = None,
@@ -445,7 +555,7 @@ def profile_model(
     """
     started = time.perf_counter()
     say = progress or (lambda label: None)
-    key = cache_key(bundle, spec, device, min_bytes)
+    key = cache_key(bundle, spec, device, min_bytes, bandwidth)
     model = copy.deepcopy(bundle.model).to(device)
     batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in bundle.make_batch(0).items()}
     layers = find_layers(model)
@@ -458,11 +568,16 @@ def profile_model(
     # Whole-model figures: fixed costs, step time and peaks of none and full.
     figures = {}
     head_transients: list[int] = []
+    warmed_state = None
     for preset in ("none", "full"):
         plain = copy.deepcopy(model)
         actplan.apply(plain, preset)
         optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-4, foreach=False)
-        _model_step(plain, batch, optimizer)
+        if warmed_state is None:
+            _model_step(plain, batch, optimizer)  # warm-up: the optimizer state comes to exist
+            warmed_state = optimizer.state_dict()
+        else:
+            optimizer.load_state_dict(warmed_state)  # the same state, without another step
         with MemoryMeter(plain, optimizer) as meter:
             torch.manual_seed(0)
             head_peak = _watch_head_backward(plain, meter)
@@ -486,8 +601,13 @@ def profile_model(
         say(f"model step {preset}")
     none_report, none_model, none_optimizer, optimizer_step_bytes, none_step_peak = figures["none"]
     full_report, full_step_peak = figures["full"][0], figures["full"][4]
+    # The model has run two steps already (warm-up and metered): no warm-up round here.
     timing = interleaved_timing(
-        {"none": lambda: _model_step(none_model, batch, none_optimizer)}, repeats=repeats, warmup=warmup
+        {"none": lambda: _model_step(none_model, batch, none_optimizer)},
+        repeats=min(3, repeats),
+        max_repeats=repeats,
+        warmup=0,
+        settled=lambda samples: _tight(samples["none"]),
     )
     say("model timing")
     layer_grads = [
@@ -515,7 +635,6 @@ def profile_model(
             kwargs,
             min_bytes,
             repeats,
-            warmup,
             bw,
             overlap,
             functools.partial(_say_for, say, type(layer).__name__),
@@ -564,7 +683,6 @@ def _profile_layer_type(
     kwargs: dict,
     min_bytes: int,
     repeats: int,
-    warmup: int,
     bandwidth: dict[str, float],
     overlap: bool,
     say: Callable[[str], None],
@@ -586,7 +704,7 @@ def _profile_layer_type(
         chosen.setdefault((candidate.mode, tuple(candidate.kept_units)), candidate)
         return candidate
 
-    none = choose(measure("none", "none", []))
+    choose(measure("none", "none", []))
     full = choose(measure("full", "full", []))
     for preset_name, preset in PRESETS.items():
         if preset.mode != "selective":
@@ -597,29 +715,37 @@ def _profile_layer_type(
             recomputed = {k.value for k in preset.recomputed_units or ()}
             kept = [u for u in declared if u not in recomputed]
         choose(measure(preset_name, "selective", kept))
-    isolated.measure_time(list(chosen.values()), repeats, warmup)
-    say("presets")
 
     # Greedy chain from `full`: each step adds the unit that saves the most time per byte
-    # kept; the chain's sets become candidates (the sets tried on the way are not).
-    best = full
-    while len(best.kept_units) < len(declared):
-        tried = [
-            measure(_kept_set_name(units), "selective", units)
-            for unit in declared
-            if unit not in best.kept_units
-            for units in [[u for u in declared if u in best.kept_units or u == unit]]
-        ]
-        isolated.measure_time([none, best, *tried], max(repeats // 2, 2), warmup)
-
-        def score(candidate: CandidateProfile, best: CandidateProfile = best) -> float:
-            saved = best.extra_seconds - candidate.extra_seconds
-            return saved / max(candidate.retained_bytes - best.retained_bytes, 1)
-
-        best = choose(max(tried, key=score))
-        say(f"greedy {len(best.kept_units)}/{len(declared)}")
-    # Time the final set together, so their differences come from the same rounds.
-    isolated.measure_time(list(chosen.values()), repeats, warmup)
+    # kept. Time saved is each unit's own forward time (what the replay no longer reruns),
+    # timed from the markers of the plain layer; bytes are measured for each set tried, by a
+    # forward-only run. Scores are evaluated lazily: a unit's score from an earlier step is
+    # re-measured only when it tops the others. The chain's sets become candidates.
+    saves = isolated.unit_seconds(interval_map_of(layer), declared)
+    kept_now: list[str] = []
+    retained_now = full.retained_bytes
+    stale: dict[str, float] = {unit: math.inf for unit in declared}  # last known score
+    while len(kept_now) < len(declared):
+        tried: dict[tuple[str, ...], CandidateProfile] = {}  # this step's sets, measured
+        while True:
+            unit = max(stale, key=stale.__getitem__)
+            units = [u for u in declared if u in kept_now or u == unit]
+            if tuple(units) not in tried:
+                probe = CandidateProfile(_kept_set_name(units), "selective", units, offload=False)
+                isolated.measure_retained(probe)
+                tried[tuple(units)] = probe
+            stale[unit] = saves[unit] / max(tried[tuple(units)].retained_bytes - retained_now, 1)
+            if stale[unit] >= max(stale.values()):
+                break
+        del stale[unit]
+        kept_now, retained_now = units, tried.pop(tuple(units)).retained_bytes
+        isolated.forget(tried.values())  # the chosen set's layer stays: measured next
+        choose(measure(_kept_set_name(kept_now), "selective", kept_now))
+        say(f"greedy {len(kept_now)}/{len(declared)}")
+    # Every candidate timed together, so their differences come from the same rounds.
+    isolated.measure_time(list(chosen.values()), repeats)
+    isolated.forget(list(chosen.values()))
+    say("timing")
     found = dict(chosen)
 
     # Offloaded variants of every checkpointed candidate.
@@ -630,6 +756,7 @@ def _profile_layer_type(
             candidate.name + "+offload", candidate.mode, candidate.kept_units, offload=True
         )
         isolated.measure_memory(variant)
+        isolated.forget([variant])
         if variant.offloaded_bytes == 0:
             continue  # nothing above min_bytes to move: same as the candidate itself
         variant.layer_seconds = candidate.layer_seconds

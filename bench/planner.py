@@ -1,18 +1,22 @@
-"""Planner benchmarks: solve time, and planned plans against the fixed presets at equal memory.
+"""Planner benchmarks: profile time, predicted against measured peak and step time, solve time.
 
-    python -m bench.planner                       # dense small and moe small (several minutes)
-    python -m bench.planner --models dense --size tiny --repeats 2   # quick
+    python -m bench.planner        # dense, moe, mtp, sparse, hf-llama at small (about 15 min on 2 cores)
+    python -m bench.planner --models dense --size tiny --repeats 2 --layers 16,64   # quick
 
-1. Solve time of the MILP for 128 layers x 32 candidates (random costs), median of runs;
-   goal under 1 s.
-2. Per model: profile (cached), budget = ``full``'s measured peak plus ``--gap`` (default
-   25%) of the way to ``none``'s; the planner's plan for it, then one ``actplan bench`` run
-   with the plan next to every preset and offload row (interleaved timing, memory meter,
-   parity). Goal: the plan's step-time ratio beats every fixed row whose measured peak
-   fits the same budget. Also the prediction error of peak and step time, and a Pareto
-   plot with the measured rows on it.
+1. Profile time: every model is profiled afresh (the cache is refreshed), and the seconds it
+   took are reported. Goals: dense small <= 20 s, moe small <= 60 s.
+2. Predictions: per model, five budgets spread over its feasible range (the least predicted
+   peak, then 20/40/60/80% of the way to the no-checkpoint peak), the planner's plan for
+   each, and one ``actplan bench`` run with every preset next to those plans (interleaved
+   timing, memory meter, parity against no checkpointing). Per plan: predicted against
+   measured peak (goal within 1%) and step-time ratio to ``none`` (goal within 10% on
+   dense), and whether it beats every fixed row whose measured peak fits its budget.
+3. Solve time against layers: each model's measured candidates repeated to 16..512 layers,
+   a mixed stack of every profiled layer type, and random 32-candidate layers, each solved
+   at five budgets. Goals: under 1 s at 128 layers, under 5 s at 512.
 
-Writes ``bench/results/planner_<model>_<size>.{json,md,png}`` and ``planner_solve_time.json``.
+Writes ``bench/results/planner_<model>_<size>.{json,md,png}`` (per model),
+``planner_predictions.{json,md}`` and ``planner_solve_time.{json,md,png}``.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import json
 import random
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -31,17 +36,58 @@ import torch
 
 from actplan.bench import DEFAULT_POLICIES, run_bench
 from actplan.budget import ParetoPoint, get_profile, pareto_points, write_pareto_plot
-from actplan.models import build_model
-from actplan.planner import Candidate, PlanProblem, minimum_peak, solve
-from actplan.profile import config_for
+from actplan.models import load_model
+from actplan.planner import Candidate, PlanProblem, minimum_peak, none_peak, plan_summary, solve
+from actplan.profile import ModelProfile, config_for
 
-RESULTS = Path("bench/results")
+SHARES = (0.0, 0.2, 0.4, 0.6, 0.8)  # of the way from the least peak to the no-checkpoint peak
+PROFILE_GOALS = {("dense", "small"): 20.0, ("moe", "small"): 60.0}
+PEAK_GOAL, TIME_GOAL = 0.01, 0.10
 
 
-def solve_time(layers: int = 128, candidates: int = 32, runs: int = 5) -> dict[str, Any]:
-    rng = random.Random(0)
+def _mib(nbytes: float) -> str:
+    return f"{nbytes / 2**20:.1f}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Solve time
+
+
+def stretched(problem: PlanProblem, layers: int) -> PlanProblem:
+    """``problem``'s layers repeated (in order) to ``layers`` layers."""
+    n = len(problem.layers)
+    grads = problem.layer_grad_bytes or (0.0,) * n
+    return replace(
+        problem,
+        layers=tuple(problem.layers[i % n] for i in range(layers)),
+        layer_grad_bytes=tuple(grads[i % n] for i in range(layers)),
+    )
+
+
+def mixed(problems: list[PlanProblem], layers: int) -> PlanProblem:
+    """One stack of every distinct layer type in ``problems``, in contiguous blocks (as a
+    model with dense first layers, MoE layers and MTP depths has), on the first one's fixed
+    costs."""
+    types: list[tuple[tuple[Candidate, ...], float]] = []
+    for problem in problems:
+        grads = problem.layer_grad_bytes or (0.0,) * len(problem.layers)
+        for candidates, grad in zip(problem.layers, grads, strict=True):
+            if all(candidates != seen for seen, _ in types):
+                types.append((candidates, grad))
+    block = -(-layers // len(types))
+    picked = [types[min(i // block, len(types) - 1)] for i in range(layers)]
+    return replace(
+        problems[0],
+        layers=tuple(c for c, _ in picked),
+        layer_grad_bytes=tuple(g for _, g in picked),
+    )
+
+
+def random_problem(layers: int, candidates: int = 32, seed: int = 0) -> PlanProblem:
+    """Random costs, no structure: the stress case."""
+    rng = random.Random(seed)
     mib = 2**20
-    problem = PlanProblem(
+    return PlanProblem(
         layers=tuple(
             tuple(
                 Candidate(f"c{c}", rng.uniform(1, 100) * mib, rng.uniform(1, 50) * mib, rng.uniform(0, 0.05))
@@ -53,187 +99,348 @@ def solve_time(layers: int = 128, candidates: int = 32, runs: int = 5) -> dict[s
         base_seconds=1.0,
         layer_grad_bytes=tuple(rng.uniform(1, 20) * mib for _ in range(layers)),
     )
+
+
+def time_solves(problem: PlanProblem) -> dict[str, float]:
+    """Seconds to solve at five budgets spread over the feasible range."""
     lowest, _ = minimum_peak(problem)
-    seconds = {}
-    for share in (0.05, 0.25, 0.5):
-        samples = []
-        for _ in range(runs):
-            start = time.perf_counter()
-            solve(problem, lowest * (1 + share))
-            samples.append(time.perf_counter() - start)
-        seconds[f"budget min+{share:.0%}"] = statistics.median(samples)
-    worst = max(seconds.values())
-    return {
-        "layers": layers,
-        "candidates": candidates,
-        "median_seconds": seconds,
-        "goal": "solve time under 1 s for 128 layers x 32 candidates",
-        "met": worst < 1.0,
-    }
+    top = none_peak(problem)
+    if top is None:  # no `none` candidate: the all-time-cheapest plan's peak bounds the range
+        top = problem.peak(
+            [min(range(len(cs)), key=lambda i, cs=cs: cs[i].extra_seconds) for cs in problem.layers]
+        )
+    seconds = []
+    for share in (0.05, 0.25, 0.5, 0.75, 0.95):
+        start = time.perf_counter()
+        solve(problem, lowest + share * (top - lowest))
+        seconds.append(time.perf_counter() - start)
+    return {"max": max(seconds), "median": statistics.median(seconds)}
 
 
-def stretched_solve_time(problem: PlanProblem, gap: float, layers: int = 128) -> dict[str, Any]:
-    """Solve time of this model's measured candidates repeated over ``layers`` layers."""
-    n = len(problem.layers)
-    big = replace(
-        problem,
-        layers=tuple(problem.layers[i % n] for i in range(layers)),
-        layer_grad_bytes=tuple(problem.layer_grad_bytes[i % n] for i in range(layers)),
-    )
-    lowest, _ = minimum_peak(big)
-    top = big.peak([[c.name for c in cs].index("none") for cs in big.layers])
-    start = time.perf_counter()
-    solve(big, lowest + gap * (top - lowest))
-    return {
-        "layers": layers,
-        "candidates_per_layer": sorted({len(cs) for cs in big.layers}),
-        "seconds": time.perf_counter() - start,
-    }
+def solve_time_curve(problems: dict[str, PlanProblem], layer_counts: list[int]) -> dict[str, Any]:
+    stacks: dict[str, Any] = {}
+    builders = {name: (lambda n, p=p: stretched(p, n)) for name, p in problems.items()}
+    if len(problems) > 1:
+        builders["mixed"] = lambda n: mixed(list(problems.values()), n)
+    builders["random-32"] = random_problem
+    for name, build in builders.items():
+        rows = []
+        for layers in layer_counts:
+            problem = build(layers)
+            rows.append(
+                {
+                    "layers": layers,
+                    "candidates": sorted({len(c) for c in problem.layers}),
+                    **time_solves(problem),
+                }
+            )
+            print(f"  solve {name} x {layers}: {rows[-1]['max']:.3f} s", file=sys.stderr, flush=True)
+        stacks[name] = rows
+    real = [r for name, rows in stacks.items() if name != "random-32" for r in rows]
+    goals = []
+    for layers, limit in ((128, 1.0), (512, 5.0)):
+        at = [r["max"] for r in real if r["layers"] == layers]
+        if at:
+            goals.append(
+                {
+                    "goal": f"solve under {limit:g} s at {layers} layers, every model's candidates",
+                    "worst_seconds": max(at),
+                    "met": max(at) < limit,
+                }
+            )
+    return {"stacks": stacks, "goals": goals}
 
 
-def run_model(name: str, size: str, gap: float, repeats: int, cache_dir: Path | None) -> dict[str, Any]:
-    bundle = build_model(name, size)
+def solve_time_markdown(curve: dict[str, Any], command: str) -> str:
+    counts = [r["layers"] for r in next(iter(curve["stacks"].values()))]
+    lines = [
+        "# Planner solve time against layers",
+        "",
+        f"- command: `{command}`; torch {torch.__version__}, CPU; the slowest of five budgets per cell",
+        "- each model's measured candidates repeated to the layer count; `mixed`: every profiled layer type "
+        "in contiguous blocks; `random-32`: 32 random candidates per layer (no structure)",
+        "",
+        "| candidates of | " + " | ".join(f"{n} layers" for n in counts) + " |",
+        "|---|" + "---|" * len(counts),
+    ]
+    for name, rows in curve["stacks"].items():
+        lines.append(f"| {name} | " + " | ".join(f"{r['max']:.3f} s" for r in rows) + " |")
+    lines.append("")
+    for goal in curve["goals"]:
+        lines.append(
+            f"- {'met' if goal['met'] else 'NOT met'}: {goal['goal']} (worst {goal['worst_seconds']:.3f} s)"
+        )
+    lines += ["", "![solve time](planner_solve_time.png)", ""]
+    return "\n".join(lines)
+
+
+def solve_time_plot(curve: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for name, rows in curve["stacks"].items():
+        ax.plot([r["layers"] for r in rows], [r["max"] for r in rows], "o-", label=name)
+    ax.axhline(1.0, color="tab:red", linestyle=":", label="goal at 128 layers (1 s)")
+    ax.axhline(5.0, color="tab:purple", linestyle=":", label="goal at 512 layers (5 s)")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("layers")
+    ax.set_ylabel("solve time, slowest of 5 budgets (s)")
+    ax.set_title("actplan planner: exact solve time (CPU)", fontsize=9)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------------
+# Predictions
+
+
+def run_model(
+    name: str, size: str, repeats: int, cache_dir: Path | None, results: Path
+) -> tuple[dict[str, Any], ModelProfile]:
+    bundle = load_model(name, size)
     device = torch.device("cpu")
     print(f"profiling {name} {size} ...", file=sys.stderr, flush=True)
-    profile, cached = get_profile(
+    profile, _ = get_profile(
         bundle,
         name,
         device,
         cache_dir=cache_dir,
-        repeats=repeats,
-        progress=lambda s: print("  " + s, file=sys.stderr),
+        refresh=True,
+        progress=lambda s: print("  " + s, file=sys.stderr, flush=True),
     )
-    budget = profile.full_peak_bytes + gap * (profile.none_peak_bytes - profile.full_peak_bytes)
-    start = time.perf_counter()
-    solution = solve(profile.problem(), budget)
-    solve_seconds = time.perf_counter() - start
-    stretched = stretched_solve_time(profile.problem(), gap)
-    config = config_for(profile, solution.choices)
-    plan_path = RESULTS / f"planner_{name}_{size}.yaml"
-    config.dump(plan_path)
-    print(f"bench with the plan ({plan_path}) ...", file=sys.stderr, flush=True)
-    result = run_bench(
-        name,
-        size,
-        DEFAULT_POLICIES,
-        (plan_path,),
-        repeats=repeats,
-        warmup=1,
-        overhead_repeats=0,
-        device="cpu",
-        reference=True,
-        command=f"python -m bench.planner --models {name} --size {size}",
-    )
-    plan_row = result.row(plan_path.stem)
+    print(f"  profiled in {profile.seconds_spent:.1f} s", file=sys.stderr, flush=True)
+    problem = profile.problem()
+    lowest, _ = minimum_peak(problem)
+    top = none_peak(problem) or profile.none_peak_bytes
+    plans = []
+    with tempfile.TemporaryDirectory() as scratch:
+        paths: dict[tuple[int, ...], Path] = {}
+        for share in SHARES:
+            budget = lowest + share * (top - lowest)
+            solution = solve(problem, budget)
+            if solution.choices not in paths:
+                paths[solution.choices] = Path(scratch) / f"plan-{len(paths) + 1}.yaml"
+                config_for(profile, solution.choices).dump(paths[solution.choices])
+            plans.append((share, budget, solution, paths[solution.choices]))
+        print(f"bench {name} {size} with {len(paths)} plans ...", file=sys.stderr, flush=True)
+        result = run_bench(
+            name,
+            size,
+            DEFAULT_POLICIES,
+            tuple(paths.values()),
+            repeats=repeats,
+            warmup=1,
+            overhead_repeats=0,
+            device="cpu",
+            reference=True,
+            command=f"python -m bench.planner --models {name} --size {size}",
+        )
+        configs = {p.stem: config_for(profile, c).to_dict() for c, p in paths.items()}
+    fixed = [r for r in result.rows if not r.name.startswith("plan-")]
     rows = []
-    for row in result.rows:
+    for share, budget, solution, path in plans:
+        row = result.row(path.stem)
+        predicted_ratio = solution.predicted_seconds / profile.base_seconds
+        fitting = [r for r in fixed if r.peak_bytes <= budget]
         rows.append(
             {
-                "name": row.name,
-                "peak_bytes": row.peak_bytes,
-                "activation_bytes": row.activation_bytes,
-                "ratio_to_none": row.ratio_to_none,
+                "share": share,
+                "budget_bytes": budget,
+                "plan": path.stem,
+                "plan_summary": plan_summary(solution.names),
+                "predicted_peak_bytes": solution.predicted_peak_bytes,
+                "measured_peak_bytes": row.peak_bytes,
+                "peak_error": (solution.predicted_peak_bytes - row.peak_bytes) / row.peak_bytes,
+                "predicted_ratio": predicted_ratio,
+                "measured_ratio": row.ratio_to_none,
                 "ratio_spread": row.ratio_spread,
-                "fits_budget": row.peak_bytes <= budget,
+                "ratio_error": (predicted_ratio - row.ratio_to_none) / row.ratio_to_none,
                 "parity_ok": row.parity_ok,
+                "fits_budget": row.peak_bytes <= budget * (1 + PEAK_GOAL),
+                "fixed_rows_fitting": [r.name for r in fitting],
+                "beats_fitting_rows": all(row.ratio_to_none < r.ratio_to_none for r in fitting),
             }
         )
-    fitting = [r for r in rows if r["fits_budget"] and r["name"] != plan_row.name]
-    beats = all(plan_row.ratio_to_none < r["ratio_to_none"] for r in fitting)
-    predicted_ratio = solution.predicted_seconds / profile.base_seconds
-    points = pareto_points(profile)
-    measured_points = [
-        ParetoPoint(r["name"] + " (measured)", "measured", r["peak_bytes"], r["ratio_to_none"]) for r in rows
+    measured = [
+        ParetoPoint(r.name + " (measured)", "measured", r.peak_bytes, r.ratio_to_none) for r in result.rows
     ]
-    png = RESULTS / f"planner_{name}_{size}.png"
-    write_pareto_plot(
-        points + measured_points,
-        png,
-        f"{bundle.description} (CPU)",
-        {
-            "predicted_peak_bytes": solution.predicted_peak_bytes,
-            "predicted_ratio": predicted_ratio,
-            "budget_bytes": budget,
-            "measured_peak_bytes": plan_row.peak_bytes,
-            "measured_ratio": plan_row.ratio_to_none,
-        },
-    )
-    return {
-        "model": bundle.description,
-        "profile_from_cache": cached,
+    png = results / f"planner_{name}_{size}.png"
+    write_pareto_plot(pareto_points(profile) + measured, png, f"{profile.model} (CPU)")
+    out = {
+        "model": profile.model,
+        "spec": name,
+        "size": size,
         "profile_seconds": profile.seconds_spent,
-        "budget_bytes": budget,
-        "budget_rule": f"full peak + {gap:.0%} of (none peak - full peak), both measured by the profile",
-        "plan": config.to_dict(),
-        "plan_candidates": list(solution.names),
-        "predicted_peak_bytes": solution.predicted_peak_bytes,
-        "predicted_ratio": predicted_ratio,
-        "measured_peak_bytes": plan_row.peak_bytes,
-        "measured_ratio": plan_row.ratio_to_none,
-        "peak_error": (solution.predicted_peak_bytes - plan_row.peak_bytes) / plan_row.peak_bytes,
-        "ratio_error": (predicted_ratio - plan_row.ratio_to_none) / plan_row.ratio_to_none,
-        "plan_parity_ok": plan_row.parity_ok,
-        "rows": rows,
-        "goal": "the plan's step-time ratio beats every fixed row whose measured peak fits the budget",
-        "met": beats and plan_row.peak_bytes <= budget,
+        "profile_goal_seconds": PROFILE_GOALS.get((name, size)),
+        "least_peak_bytes": lowest,
+        "none_peak_bytes": top,
+        "plans": rows,
+        "configs": configs,
+        "rows": [
+            {
+                "name": r.name,
+                "peak_bytes": r.peak_bytes,
+                "ratio_to_none": r.ratio_to_none,
+                "ratio_spread": r.ratio_spread,
+                "parity_ok": r.parity_ok,
+            }
+            for r in result.rows
+        ],
         "plot": str(png),
-        "solve_seconds": solve_seconds,
-        "stretched_to_128_layers": stretched,
     }
+    return out, profile
 
 
-def to_markdown(name: str, size: str, out: dict[str, Any]) -> str:
-    mib = 2**20
-    stretched = out["stretched_to_128_layers"]
+def model_markdown(out: dict[str, Any]) -> str:
+    goal = out["profile_goal_seconds"]
     lines = [
         f"# Planner on {out['model']}",
         "",
-        f"- command: `python -m bench.planner --models {name} --size {size}`; torch {torch.__version__}, CPU",
-        f"- budget: {out['budget_bytes'] / mib:.1f} MiB ({out['budget_rule']})",
-        f"- plan: {', '.join(out['plan_candidates'])}",
-        f"- predicted peak {out['predicted_peak_bytes'] / mib:.1f} MiB, measured "
-        f"{out['measured_peak_bytes'] / mib:.1f} MiB (error {out['peak_error']:+.1%}); predicted step-time "
-        f"ratio {out['predicted_ratio']:.3f}, measured {out['measured_ratio']:.3f} "
-        f"(error {out['ratio_error']:+.1%})",
-        f"- {'met' if out['met'] else 'NOT met'}: {out['goal']}",
-        f"- solve time {out['solve_seconds']:.3f} s; these candidates repeated over "
-        f"{stretched['layers']} layers: {stretched['seconds']:.3f} s",
+        f"- command: `python -m bench.planner --models {out['spec']} --size {out['size']}`; "
+        f"torch {torch.__version__}, CPU",
+        f"- profiled in {out['profile_seconds']:.1f} s"
+        + (
+            f" (goal <= {goal:g} s: {'met' if out['profile_seconds'] <= goal else 'NOT met'})" if goal else ""
+        ),
+        f"- feasible peaks: {_mib(out['least_peak_bytes'])} to {_mib(out['none_peak_bytes'])} MiB "
+        "(no checkpointing)",
         "",
-        "| row | peak (MiB) | fits budget | step time / none | parity |",
-        "|---|---|---|---|---|",
+        "| budget (share) | plan | predicted peak | measured peak | error | predicted ratio | measured ratio "
+        "| error | parity | beats fixed rows that fit |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
+    for p in out["plans"]:
+        lines.append(
+            f"| {_mib(p['budget_bytes'])} MiB ({p['share']:.0%}) | {p['plan']} "
+            f"| {_mib(p['predicted_peak_bytes'])} | {_mib(p['measured_peak_bytes'])} "
+            f"| {p['peak_error']:+.2%} | {p['predicted_ratio']:.3f} "
+            f"| {p['measured_ratio']:.3f} ± {p['ratio_spread']:.3f} | {p['ratio_error']:+.1%} "
+            f"| {'ok' if p['parity_ok'] else 'FAILED'} "
+            f"| {'yes' if p['beats_fitting_rows'] else 'no'} ({len(p['fixed_rows_fitting'])} fit) |"
+        )
+    lines += ["", "Plans:", ""]
+    seen = set()
+    for p in out["plans"]:
+        if p["plan"] not in seen:
+            seen.add(p["plan"])
+            lines.append(f"- {p['plan']}: {p['plan_summary']}")
+    lines += ["", "| row | peak (MiB) | step time / none | parity |", "|---|---|---|---|"]
     for r in sorted(out["rows"], key=lambda r: r["peak_bytes"]):
         lines.append(
-            f"| {r['name']} | {r['peak_bytes'] / mib:.1f} | {'yes' if r['fits_budget'] else 'no'} | "
-            f"{r['ratio_to_none']:.3f} ± {r['ratio_spread']:.3f} | {'ok' if r['parity_ok'] else 'FAILED'} |"
+            f"| {r['name']} | {_mib(r['peak_bytes'])} | {r['ratio_to_none']:.3f} ± {r['ratio_spread']:.3f} "
+            f"| {'ok' if r['parity_ok'] else 'FAILED'} |"
         )
     lines += ["", f"![Pareto plot]({Path(out['plot']).name})", ""]
     return "\n".join(lines)
 
 
+def predictions_markdown(models: list[dict[str, Any]], command: str) -> str:
+    lines = [
+        "# Planner predictions against measurements",
+        "",
+        f"- command: `{command}`; torch {torch.__version__}, CPU",
+        "- per model, five budgets from the least predicted peak (0%) towards the no-checkpoint peak; "
+        "peaks from the memory meter, step-time ratios to `none` from one interleaved run",
+        "",
+        "| model | profile (s) | worst peak error | worst step-time error | plans exact | plans beat the "
+        "fixed rows that fit |",
+        "|---|---|---|---|---|---|",
+    ]
+    for out in models:
+        plans = out["plans"]
+        peak = max(plans, key=lambda p: abs(p["peak_error"]))["peak_error"]
+        ratio = max(plans, key=lambda p: abs(p["ratio_error"]))["ratio_error"]
+        lines.append(
+            f"| {out['spec']} {out['size']} | {out['profile_seconds']:.1f} | {peak:+.2%} | {ratio:+.1%} "
+            f"| {sum(p['parity_ok'] for p in plans)}/{len(plans)} "
+            f"| {sum(p['beats_fitting_rows'] for p in plans)}/{len(plans)} |"
+        )
+    lines.append("")
+    for goal in prediction_goals(models):
+        lines.append(f"- {'met' if goal['met'] else 'NOT met'}: {goal['goal']} ({goal['detail']})")
+    lines.append("")
+    return "\n".join(lines)
+
+
+def prediction_goals(models: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    goals = []
+    worst = max((abs(p["peak_error"]), out["spec"]) for out in models for p in out["plans"])
+    goals.append(
+        {
+            "goal": f"predicted peak within {PEAK_GOAL:.0%} of measured, every model and budget",
+            "detail": f"worst {worst[0]:.2%} on {worst[1]}",
+            "met": worst[0] <= PEAK_GOAL,
+        }
+    )
+    dense = [p for out in models if out["spec"] == "dense" for p in out["plans"]]
+    if dense:
+        off = max(abs(p["ratio_error"]) for p in dense)
+        goals.append(
+            {
+                "goal": f"predicted step time within {TIME_GOAL:.0%} on dense",
+                "detail": f"worst {off:.1%}",
+                "met": off <= TIME_GOAL,
+            }
+        )
+    for out in models:
+        limit = out["profile_goal_seconds"]
+        if limit:
+            goals.append(
+                {
+                    "goal": f"profile {out['spec']} {out['size']} in <= {limit:g} s",
+                    "detail": f"{out['profile_seconds']:.1f} s",
+                    "met": out["profile_seconds"] <= limit,
+                }
+            )
+    return goals
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default="dense,moe")
+    parser.add_argument("--models", default="dense,moe,mtp,sparse,hf-llama")
     parser.add_argument("--size", default="small")
-    parser.add_argument("--gap", type=float, default=0.25)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--cache-dir")
+    parser.add_argument("--repeats", type=int, default=5, help="timed rounds of the bench run")
+    parser.add_argument(
+        "--layers", default="16,32,64,128,256,512", help="layer counts of the solve-time curve"
+    )
+    parser.add_argument("--cache-dir", help="profile cache (default ~/.cache/actplan/profiles)")
+    parser.add_argument("--out", default="bench/results", help="where the results go")
     args = parser.parse_args(argv)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    timing = solve_time()
-    (RESULTS / "planner_solve_time.json").write_text(json.dumps(timing, indent=2) + "\n")
-    print(f"solve time (128 x 32): {timing['median_seconds']} -> {'met' if timing['met'] else 'NOT met'}")
-    ok = True
+    results = Path(args.out)
+    results.mkdir(parents=True, exist_ok=True)
+    layer_counts = [int(n) for n in args.layers.split(",") if n.strip()]
+    command = (
+        "python -m bench.planner" + (" " + " ".join(argv if argv is not None else sys.argv[1:])).rstrip()
+    )
+    models, problems = [], {}
     for name in [m.strip() for m in args.models.split(",") if m.strip()]:
-        out = run_model(
-            name, args.size, args.gap, args.repeats, Path(args.cache_dir) if args.cache_dir else None
-        )
-        (RESULTS / f"planner_{name}_{args.size}.json").write_text(json.dumps(out, indent=2) + "\n")
-        report = to_markdown(name, args.size, out)
-        (RESULTS / f"planner_{name}_{args.size}.md").write_text(report)
+        cache = Path(args.cache_dir) if args.cache_dir else None
+        out, profile = run_model(name, args.size, args.repeats, cache, results)
+        (results / f"planner_{name}_{args.size}.json").write_text(json.dumps(out, indent=2) + "\n")
+        report = model_markdown(out)
+        (results / f"planner_{name}_{args.size}.md").write_text(report)
         print(report)
-        ok = ok and out["plan_parity_ok"]
-    return 0 if ok else 1
+        models.append(out)
+        problems[name] = profile.problem()
+    summary = {"models": models, "goals": prediction_goals(models)}
+    (results / "planner_predictions.json").write_text(json.dumps(summary, indent=2) + "\n")
+    report = predictions_markdown(models, command)
+    (results / "planner_predictions.md").write_text(report)
+    print(report)
+    print("solve time against layers ...", file=sys.stderr, flush=True)
+    curve = solve_time_curve(problems, layer_counts)
+    (results / "planner_solve_time.json").write_text(json.dumps(curve, indent=2) + "\n")
+    (results / "planner_solve_time.md").write_text(solve_time_markdown(curve, command))
+    solve_time_plot(curve, results / "planner_solve_time.png")
+    print(solve_time_markdown(curve, command))
+    return 0 if all(p["parity_ok"] for out in models for p in out["plans"]) else 1
 
 
 if __name__ == "__main__":

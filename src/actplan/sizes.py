@@ -6,7 +6,9 @@ the planner (memory budgets).
 
 from __future__ import annotations
 
+import math
 import re
+from decimal import Decimal
 
 DEFAULT_OFFLOAD_MIN_BYTES = 64 * 2**10
 """Saved tensors whose storage is smaller stay resident: their copies cost more than they free."""
@@ -43,7 +45,7 @@ def parse_bytes(value: int | float | str) -> int:
             raise ValueError(f"byte size {value} is negative; sizes are 0 or more")
         return value
     if isinstance(value, float):
-        if value < 0 or value != int(value):
+        if not math.isfinite(value) or value < 0 or value != int(value):
             raise ValueError(f"byte size {value} is not a whole, non-negative number of bytes")
         return int(value)
     if not isinstance(value, str):
@@ -55,9 +57,10 @@ def parse_bytes(value: int | float | str) -> int:
             f"cannot read {value!r} as a byte size; write a number with an optional unit: "
             "B, KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024), e.g. '40GiB'"
         )
-    nbytes = float(match.group(1)) * _UNITS[unit]
-    if nbytes != int(nbytes):
-        raise ValueError(f"{value!r} is not a whole number of bytes")
+    # Decimal, not float: '2.01KB' is exactly 2010 bytes, and 2.01 * 1000 is not in binary floats.
+    nbytes = Decimal(match.group(1)) * _UNITS[unit]
+    if nbytes != nbytes.to_integral_value():
+        raise ValueError(f"{value!r} is not a whole number of bytes; give a size that comes to whole bytes")
     return int(nbytes)
 
 

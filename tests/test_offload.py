@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import gc
+import threading
 import warnings
 
 import pytest
@@ -16,7 +18,7 @@ from actplan.config import ConfigError
 from actplan.markers import checkpoint_record
 from actplan.measure import MemoryMeter, capture_step, compare_steps
 from actplan.models import build_model
-from actplan.offload import HostPool, OffloadedTensorMutatedError, OffloadEngine, _Handle, size_class
+from actplan.offload import HostPool, OffloadedTensorMutatedError, OffloadEngine, _Handle, _Moved, size_class
 from actplan.units import MarkerInterval, RecomputeIntervalMap
 
 # ---------------------------------------------------------------------------------------------
@@ -167,6 +169,49 @@ def test_pool_reuses_by_size_class_and_respects_its_cap():
     assert big.pooled and pool.fallbacks == 1
     pool.release(big)
     assert pool.trim() > 0 and pool.reserved_bytes == 0
+
+
+class _CollectingEvent:
+    """A copy event whose wait runs a garbage collection, as any allocation inside acquire can."""
+
+    def synchronize(self) -> None:
+        gc.collect()
+
+    def query(self) -> bool:
+        return True
+
+
+def test_pool_release_from_a_finalizer_inside_acquire_does_not_deadlock():
+    # A real offloaded storage (_Moved) in a reference cycle: only the collector frees it, and its
+    # __del__ returns its host buffer to the pool. Here that collection runs while acquire holds
+    # the pool's lock (waiting on a reused buffer's event), on the same thread.
+    engine = OffloadEngine(min_bytes=0, pin=False)
+    pool = engine.pool
+    pool.release(pool.acquire(3000), _CollectingEvent())
+    outcome: list[object] = []
+
+    def acquire_during_collection() -> None:
+        gc_was_enabled = gc.isenabled()
+        gc.disable()  # keep the cycle alive until the collection inside acquire
+        try:
+            cycle: list[object] = [_Moved(engine, torch.randn(1024), 4096)]
+            cycle.append(cycle)
+            del cycle
+            outcome.append(pool.acquire(3000))
+        finally:
+            if gc_was_enabled:
+                gc.enable()
+
+    worker = threading.Thread(target=acquire_during_collection, daemon=True)
+    worker.start()
+    worker.join(timeout=30)
+    assert not worker.is_alive(), "HostPool.acquire deadlocked on a release from a finalizer"
+    assert outcome and outcome[0].pooled
+    # The finalizer's release was applied: only the buffer just acquired is in use, and the
+    # released one is reused by the next request of its size.
+    assert pool.in_use_bytes == size_class(3000)
+    again = pool.acquire(4096)
+    assert pool.reuses == 2 and again.pooled
 
 
 # ---------------------------------------------------------------------------------------------

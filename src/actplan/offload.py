@@ -24,7 +24,7 @@ import threading
 import types
 import warnings
 import weakref
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -108,15 +108,22 @@ class HostPool:
 
     def __init__(self, cap_bytes: int, *, pin: bool) -> None:
         if cap_bytes <= 0:
-            raise ValueError(f"host pool cap must be positive, got {cap_bytes} bytes")
+            raise ValueError(
+                f"host pool cap must be positive, got {cap_bytes} bytes; pass a cap of at least one "
+                "byte (offload.host_cap in a config, e.g. '16GiB')"
+            )
         self.cap_bytes = cap_bytes
         self.pin = pin
         self._free: dict[int, list[tuple[torch.Tensor, Any]]] = defaultdict(list)
         self._lock = threading.Lock()
+        # Releases wait here until someone holds the lock: a release can come from a finalizer
+        # (``_Moved.__del__``) that a garbage collection runs inside ``acquire``, on the thread
+        # that already holds the lock. deque.append is atomic, so it needs no lock of its own.
+        self._released: deque[tuple[HostBuffer, Any]] = deque()
         self.reserved_bytes = 0
-        self.in_use_bytes = 0
+        self._in_use_bytes = 0
         self.peak_in_use_bytes = 0
-        self.fallback_bytes_in_use = 0
+        self._fallback_bytes_in_use = 0
         self.fallbacks = 0
         self.pin_failures = 0
         self.acquires = 0
@@ -126,49 +133,90 @@ class HostPool:
     def acquire(self, nbytes: int) -> HostBuffer:
         size = size_class(nbytes)
         with self._lock:
-            self.acquires += 1
-            free = self._free.get(size)
-            while free:
-                tensor, event = free.pop()
-                _wait(event)
-                self.reuses += 1
-                return self._hand_out(HostBuffer(tensor, nbytes, pooled=True, pinned=self.pin))
-            if self.reserved_bytes + size > self.cap_bytes:
-                self._evict(self.reserved_bytes + size - self.cap_bytes)
-            if self.reserved_bytes + size > self.cap_bytes:
-                self.fallbacks += 1
-                self._warn_once(
-                    "cap",
-                    f"actplan offload: the host pool cap ({self.cap_bytes:,} bytes) is full, so a "
-                    f"{nbytes:,}-byte tensor goes to a one-off pageable buffer (slower copies, host "
-                    "memory outside the cap). Raise offload.host_cap or offload fewer tensors.",
-                )
-                return self._hand_out(HostBuffer(self._allocate(size, pin=False), nbytes, False, False))
-            tensor, pinned = self._allocate_pooled(size)
-            self.reserved_bytes += size
-            return self._hand_out(HostBuffer(tensor, nbytes, pooled=True, pinned=pinned))
+            try:
+                return self._acquire_locked(nbytes, size)
+            finally:
+                # Releases queued while the lock was held (by a finalizer run during allocation).
+                self._apply_releases()
+
+    def _acquire_locked(self, nbytes: int, size: int) -> HostBuffer:
+        self._apply_releases()
+        self.acquires += 1
+        free = self._free.get(size)
+        while free:
+            tensor, event = free.pop()
+            _wait(event)
+            self.reuses += 1
+            return self._hand_out(HostBuffer(tensor, nbytes, pooled=True, pinned=self.pin))
+        if self.reserved_bytes + size > self.cap_bytes:
+            self._evict(self.reserved_bytes + size - self.cap_bytes)
+        if self.reserved_bytes + size > self.cap_bytes:
+            self.fallbacks += 1
+            self._warn_once(
+                "cap",
+                f"actplan offload: the host pool cap ({self.cap_bytes:,} bytes) is full, so a "
+                f"{nbytes:,}-byte tensor goes to a one-off pageable buffer (slower copies, host "
+                "memory outside the cap). Raise offload.host_cap or offload fewer tensors.",
+            )
+            return self._hand_out(HostBuffer(self._allocate(size, pin=False), nbytes, False, False))
+        tensor, pinned = self._allocate_pooled(size)
+        self.reserved_bytes += size
+        return self._hand_out(HostBuffer(tensor, nbytes, pooled=True, pinned=pinned))
 
     def release(self, buffer: HostBuffer, event: Any = None) -> None:
-        """Return ``buffer``; it is reused after ``event`` (its last copy) completes."""
-        with self._lock:
-            size = buffer.tensor.numel()
-            self.in_use_bytes -= size
-            if not buffer.pooled:
-                self.fallback_bytes_in_use -= size
-                return
-            self._free[size].append((buffer.tensor, event))
+        """Return ``buffer``; it is reused after ``event`` (its last copy) completes.
+
+        Safe to call from a finalizer, on any thread, also while this thread is inside
+        ``acquire``: it never waits for the pool's lock. The release is queued and applied
+        by whoever holds the lock next (this call, if the lock is free).
+        """
+        self._released.append((buffer, event))
+        if self._lock.acquire(blocking=False):
+            try:
+                self._apply_releases()
+            finally:
+                self._lock.release()
 
     def trim(self) -> int:
         """Drop every idle buffer; returns the bytes given back."""
         with self._lock:
+            self._apply_releases()
             return self._evict(self.reserved_bytes)
+
+    @property
+    def in_use_bytes(self) -> int:
+        """Bytes handed out and not yet released (pooled and fallback buffers)."""
+        self._settle()
+        return self._in_use_bytes
+
+    @property
+    def fallback_bytes_in_use(self) -> int:
+        """Bytes of one-off pageable buffers handed out past the cap and not yet released."""
+        self._settle()
+        return self._fallback_bytes_in_use
+
+    def _settle(self) -> None:
+        if self._released:
+            with self._lock:
+                self._apply_releases()
+
+    def _apply_releases(self) -> None:
+        # Called with the lock held.
+        while self._released:
+            buffer, event = self._released.popleft()
+            size = buffer.tensor.numel()
+            self._in_use_bytes -= size
+            if not buffer.pooled:
+                self._fallback_bytes_in_use -= size
+            else:
+                self._free[size].append((buffer.tensor, event))
 
     def _hand_out(self, buffer: HostBuffer) -> HostBuffer:
         size = buffer.tensor.numel()
-        self.in_use_bytes += size
-        self.peak_in_use_bytes = max(self.peak_in_use_bytes, self.in_use_bytes)
+        self._in_use_bytes += size
+        self.peak_in_use_bytes = max(self.peak_in_use_bytes, self._in_use_bytes)
         if not buffer.pooled:
-            self.fallback_bytes_in_use += size
+            self._fallback_bytes_in_use += size
         return buffer
 
     def _evict(self, wanted: int) -> int:

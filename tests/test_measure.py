@@ -372,6 +372,11 @@ def test_ratio_refuses_unpaired_timings():
         ratio(TimingStats.from_samples([1.0, 2.0]), TimingStats.from_samples([1.0, 2.0, 3.0]))
 
 
+def test_ratio_refuses_a_zero_denominator_and_says_what_to_time():
+    with pytest.raises(ValueError, match=r"non-positive sample \(0.0 s\).*time a run that takes measurable"):
+        ratio(TimingStats.from_samples([1.0, 2.0]), TimingStats.from_samples([1.0, 0.0]))
+
+
 # ---------------------------------------------------------------------------------------------
 # Parity
 # ---------------------------------------------------------------------------------------------

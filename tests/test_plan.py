@@ -157,8 +157,10 @@ def test_recompute_is_the_complement_of_keep():
     assert by_recompute.kept_intervals == by_keep.kept_intervals
 
 
-def test_selective_with_nothing_listed_keeps_nothing():
-    layer = plan_for({"mode": "selective"}, dense_layers(1)).layers[0]
+def test_a_preset_with_none_of_its_units_in_a_layer_keeps_nothing_there():
+    # Presets skip what a layer lacks: 'attn' on a layer without attn_core keeps nothing.
+    specs = [LayerSpec(0, "layers.0", "MLPOnly", chain_map(["mlp_norm", "mlp_up", "mlp_act", "mlp_down"]))]
+    layer = plan_for({"preset": "attn"}, specs).layers[0]
     assert (layer.mode, layer.kept_units, layer.kept_intervals) == ("selective", (), frozenset())
 
 
@@ -365,7 +367,8 @@ def test_summary_and_rows_show_offload():
 
 
 def test_summary_says_when_selective_keeps_nothing():
-    assert "layers 0: selective, keep nothing" in plan_for({"mode": "selective"}, dense_layers(1)).summary()
+    specs = [LayerSpec(0, "layers.0", "MLPOnly", chain_map(["mlp_norm", "mlp_up", "mlp_act", "mlp_down"]))]
+    assert "layers 0: selective, keep nothing" in plan_for({"preset": "attn"}, specs).summary()
 
 
 def test_to_rows_gives_plain_values_per_layer():

@@ -211,3 +211,45 @@ def test_malformed_budgets_are_errors(text):
 def test_percentage_needs_the_no_checkpoint_peak():
     with pytest.raises(BudgetError, match="give the budget in bytes"):
         parse_budget("50%")
+
+
+@pytest.mark.parametrize(
+    ("make", "parts"),
+    [
+        (
+            lambda c: PlanProblem(layers=(), static_bytes=0, base_seconds=1.0),
+            ["at least one layer", "pass layers="],
+        ),
+        (
+            lambda c: PlanProblem(layers=((c,), ()), static_bytes=0, base_seconds=1.0),
+            ["layer 1 has no candidates", "'none'"],
+        ),
+        (
+            lambda c: PlanProblem(
+                layers=((c,),), static_bytes=0, base_seconds=1.0, layer_grad_bytes=(1.0, 2.0)
+            ),
+            ["2 entries for 1 layers", "one entry per layer"],
+        ),
+        (
+            lambda c: PlanProblem(
+                layers=((c, Candidate("full", 1.0, 0.0, float("nan"))),), static_bytes=0, base_seconds=1.0
+            ),
+            ["layer 0, candidate 'full': extra_seconds is nan", "--refresh"],
+        ),
+    ],
+)
+def test_malformed_plan_problems_say_what_to_give(make, parts):
+    with pytest.raises(ValueError) as info:
+        make(Candidate("none", 1.0, 0.0, 0.0))
+    for part in parts:
+        assert part in str(info.value)
+
+
+def test_a_solver_failure_says_it_is_not_a_budget_problem():
+    # Costs this large are finite but beyond what HiGHS can scale: it returns an unknown status.
+    layer = (Candidate("none", 100.0, 0.0, 0.0), Candidate("full", 10.0, 5.0, 1e308))
+    problem = PlanProblem(layers=(layer, layer), static_bytes=0, base_seconds=1.0)
+    with pytest.raises(RuntimeError) as info:
+        planner._milp(problem, 150.0)
+    assert "MILP solver" in str(info.value) and "not a budget one" in str(info.value)
+    assert "upgrade scipy" in str(info.value)

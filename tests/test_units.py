@@ -50,9 +50,9 @@ def test_interval_map_accepts_strings_and_lists():
 def test_interval_map_rejects_shared_interval_and_empty():
     with pytest.raises(ValueError, match="declared for both"):
         RecomputeIntervalMap({"attn_core": MarkerInterval("a", "b"), "mlp_act": MarkerInterval("a", "b")})
-    with pytest.raises(ValueError, match="at least one unit"):
+    with pytest.raises(ValueError, match="at least one unit; declare one"):
         RecomputeIntervalMap({})
-    with pytest.raises(ValueError, match="no intervals"):
+    with pytest.raises(ValueError, match="no intervals; give it at least one MarkerInterval"):
         RecomputeIntervalMap({"attn_core": []})
     with pytest.raises(ValueError, match="unknown recompute unit"):
         RecomputeIntervalMap({"bogus": MarkerInterval("a", "b")})

@@ -101,7 +101,11 @@ PRESETS: dict[str, PresetSpec] = {
         recomputed_units=(RecomputeUnit.ATTN_CORE,),
     ),
 }
-assert set(PRESETS) == set(get_args(PresetName)), "PRESETS and PresetName must list the same names"
+if set(PRESETS) != set(get_args(PresetName)):  # checked at import, also under python -O
+    raise RuntimeError(
+        f"internal error: PRESETS ({sorted(PRESETS)}) and PresetName ({sorted(get_args(PresetName))}) "
+        "must list the same names; please report it"
+    )
 
 
 def _valid_presets() -> str:
@@ -365,6 +369,17 @@ class RecomputeChoice(BaseModel):
             raise ConfigError(
                 f"{listed} is given with mode {self.mode!r}, where it would do nothing; "
                 f"use mode: selective or remove {listed}"
+            )
+        elif self.mode == "selective" and (listed is None or self.keep == ()):
+            what = (
+                "keep: [] keeps"
+                if listed is not None
+                else "mode: selective with no keep, recompute or preset keeps"
+            )
+            raise ConfigError(
+                f"{what} nothing, so every unit would be recomputed; name what to keep with "
+                "keep: [units] (or recompute: [units], Megatron style, to keep the rest), use a preset "
+                "such as matmuls, or write mode: full to recompute the whole layer"
             )
         return self
 

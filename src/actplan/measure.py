@@ -389,7 +389,10 @@ class MemoryMeter:
         if tracker is None:
             raise RuntimeError("MemoryMeter has measured nothing yet; run a step inside `with meter:` first")
         end = self._classify(tracker) if self._active else self._end
-        assert end is not None  # set by __exit__ whenever the window is closed
+        if end is None:  # __exit__ sets it whenever a window closes
+            raise RuntimeError(
+                "internal error: MemoryMeter's window closed without its end figures; please report it"
+            )
         return MemoryReport(
             param_bytes=self._param_bytes,
             grad_bytes=self._grad_bytes,
@@ -634,7 +637,11 @@ def ratio(stats_a: TimingStats, stats_b: TimingStats) -> RatioStats:
             "take both from the same interleaved_timing call"
         )
     if any(b <= 0 for b in stats_b.samples):
-        raise ValueError("the denominator timing has a non-positive sample; it cannot be a ratio base")
+        raise ValueError(
+            f"the denominator timing has a non-positive sample ({min(stats_b.samples)} s), so it cannot "
+            "be a ratio base; time a run that takes measurable time (a larger step, or more work per "
+            "round) and pass its TimingStats second"
+        )
     per_round = [a / b for a, b in zip(stats_a.samples, stats_b.samples, strict=True)]
     ordered = sorted(per_round)
     median, q25, q75 = (_quantile(ordered, q) for q in (0.5, 0.25, 0.75))

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -94,12 +95,30 @@ class PlanProblem:
 
     def __post_init__(self) -> None:
         if not self.layers:
-            raise ValueError("a plan problem needs at least one layer")
+            raise ValueError(
+                "a plan problem needs at least one layer; pass layers=[candidates of layer 0, ...] "
+                "(actplan.budget builds it from a profile)"
+            )
         for index, candidates in enumerate(self.layers):
             if not candidates:
-                raise ValueError(f"layer {index} has no candidates")
+                raise ValueError(
+                    f"layer {index} has no candidates; give every layer at least one (its 'none' "
+                    "candidate, no checkpointing, always fits)"
+                )
+        for index, candidates in enumerate(self.layers):
+            for candidate in candidates:
+                for field in ("retained_bytes", "transient_bytes", "extra_seconds", "offloaded_bytes"):
+                    value = getattr(candidate, field)
+                    if not math.isfinite(value):
+                        raise ValueError(
+                            f"layer {index}, candidate {candidate.name!r}: {field} is {value}; costs must be "
+                            "finite numbers (a failed measurement? profile again with --refresh)"
+                        )
         if self.layer_grad_bytes and len(self.layer_grad_bytes) != len(self.layers):
-            raise ValueError("layer_grad_bytes needs one entry per layer")
+            raise ValueError(
+                f"layer_grad_bytes has {len(self.layer_grad_bytes)} entries for {len(self.layers)} layers; "
+                "give one entry per layer, or leave it empty for none"
+            )
 
     def _grads(self) -> tuple[float, ...]:
         return self.layer_grad_bytes or (0.0,) * len(self.layers)
@@ -459,7 +478,11 @@ def _milp_reduced(problem: PlanProblem, budget: float | None) -> tuple[int, ...]
     if result.status == 2:  # infeasible
         return None
     if not result.success:
-        raise RuntimeError(f"the MILP solver failed: {result.message}")
+        raise RuntimeError(
+            f"the MILP solver (scipy.optimize.milp, HiGHS) failed: {result.message} (status "
+            f"{result.status}); this is a solver problem, not a budget one: upgrade scipy and retry, "
+            "and please report it with the profile (actplan profile --json)"
+        )
     choices = []
     start = 0
     for size in sizes:

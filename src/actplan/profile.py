@@ -714,7 +714,8 @@ def _profile_layer_type(
         else:
             recomputed = {k.value for k in preset.recomputed_units or ()}
             kept = [u for u in declared if u not in recomputed]
-        choose(measure(preset_name, "selective", kept))
+        if kept:  # a preset with none of its units here is `full` with more overhead
+            choose(measure(preset_name, "selective", kept))
 
     # Greedy chain from `full`: each step adds the unit that saves the most time per byte
     # kept. Time saved is each unit's own forward time (what the replay no longer reruns),

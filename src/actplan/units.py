@@ -168,7 +168,10 @@ class RecomputeIntervalMap(Mapping[RecomputeUnit, tuple[MarkerInterval, ...]]):
             unit = parse_unit(key)
             spans = (value,) if isinstance(value, MarkerInterval) else tuple(value)
             if not spans:
-                raise ValueError(f"unit {unit.value!r} is declared with no intervals")
+                raise ValueError(
+                    f"unit {unit.value!r} is declared with no intervals; give it at least one "
+                    "MarkerInterval(start, end), or drop the unit"
+                )
             for span in spans:
                 if not isinstance(span, MarkerInterval):
                     raise TypeError(
@@ -182,7 +185,11 @@ class RecomputeIntervalMap(Mapping[RecomputeUnit, tuple[MarkerInterval, ...]]):
                 owner[span] = unit
             intervals[unit] = spans
         if not intervals:
-            raise ValueError("a RecomputeIntervalMap needs at least one unit")
+            raise ValueError(
+                "a RecomputeIntervalMap needs at least one unit; declare one, e.g. "
+                "RecomputeIntervalMap({'mlp_up': MarkerInterval('up', 'act')}), or drop the "
+                "recompute_intervals attribute from a layer with nothing to declare"
+            )
         self._intervals = intervals
         self._markers = frozenset(m for spans in intervals.values() for s in spans for m in (s.start, s.end))
         self._hash = hash(tuple(sorted((u.value, spans) for u, spans in intervals.items())))

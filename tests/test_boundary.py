@@ -128,6 +128,63 @@ def test_deepcopy_of_wrapped_module_runs_its_own_weights():
     assert not torch.equal(layer(x), torch.zeros(2, 4))
 
 
+def _grads(model, batch):
+    model.zero_grad(set_to_none=True)
+    loss = model(**batch)["loss"]
+    loss.backward()
+    return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        "full",
+        "matmuls",
+        {"preset": "full", "offload": {"layer_input": True, "min_bytes": 0}},
+        {"preset": "matmuls", "offload": {"units": "kept", "min_bytes": 0}},
+    ],
+    ids=["full", "matmuls", "full+offload", "matmuls+offload"],
+)
+def test_torch_save_of_a_planned_model_loads_the_plain_model(config, tmp_path):
+    import actplan
+    from actplan.models import build_model
+
+    bundle = build_model("dense", "tiny")
+    batch = bundle.make_batch(0)
+    expected_loss, expected = _grads(bundle.model, batch)
+    actplan.apply(bundle.model, config)
+    _grads(bundle.model, batch)  # a step with the plan, so its runtime state is populated
+    torch.save(bundle.model, tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+
+    # The plan stays behind: the loaded model is plain, and exact.
+    assert actplan.installed_plan(loaded) is None and actplan.offload_engine(loaded) is None
+    assert not any(is_checkpointed(m) for m in loaded.modules())
+    loss, grads = _grads(loaded, batch)
+    assert torch.equal(loss, expected_loss) and grads.keys() == expected.keys()
+    assert all(torch.equal(grads[name], expected[name]) for name in expected)
+    # It takes a plan again, and the original keeps its own.
+    plan = actplan.apply(loaded, config)
+    assert actplan.installed_plan(loaded) is plan and actplan.installed_plan(bundle.model) is not None
+    loss, grads = _grads(loaded, batch)
+    assert torch.equal(loss, expected_loss)
+    assert all(torch.equal(grads[name], expected[name]) for name in expected)
+    assert actplan.remove(loaded) == len(actplan.find_layers(loaded))
+
+
+def test_deepcopy_of_a_planned_model_keeps_the_plan():
+    import actplan
+    from actplan.models import build_model
+
+    bundle = build_model("dense", "tiny")
+    actplan.apply(bundle.model, "matmuls")
+    clone = copy.deepcopy(bundle.model)
+    assert actplan.installed_plan(clone) is not None
+    assert all(is_checkpointed(layer) for _, layer in actplan.find_layers(clone))
+    layer = actplan.find_layers(clone)[0][1]
+    assert layer.forward.module is layer  # bound to the copy, not to the original
+
+
 def test_frozen_module_with_grad_free_inputs_is_not_replayed():
     calls = []
 

@@ -7,12 +7,14 @@ pure ``plan`` module, and wrap each layer with the boundary and its policy.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from torch import nn
 
 from actplan.boundary import (
+    RuntimeOnly,
     apply_gradient_checkpointing,
     checkpoint_state,
     remove_gradient_checkpointing,
@@ -26,6 +28,18 @@ from actplan.units import RecomputeIntervalMap
 
 _PLAN_ATTR = "_actplan_plan"
 _ENGINE_ATTR = "_actplan_offload_engine"
+
+
+@dataclass
+class _Installed(RuntimeOnly):
+    """The installed plan or offload engine, stored on the model; pickling leaves it behind."""
+
+    value: Any
+
+
+def _installed(model: nn.Module, attr: str) -> Any:
+    box = model.__dict__.get(attr)
+    return box.value if box is not None else None
 
 
 def interval_map_of(module: nn.Module) -> RecomputeIntervalMap | None:
@@ -128,7 +142,7 @@ def apply(
             min_bytes=offload.min_bytes, host_cap_bytes=offload.host_cap, prefetch=offload.prefetch
         )
         engine.attach(model)
-        model.__dict__[_ENGINE_ATTR] = engine
+        model.__dict__[_ENGINE_ATTR] = _Installed(engine)
     policies = _shared_policies(layers, engine)
     for layer_plan, module in layers:
         name = f"{layer_plan.name} ({layer_plan.class_name})"
@@ -147,14 +161,14 @@ def apply(
                 what=layer_plan.describe_offload(),
                 position=layer_plan.index,
             )
-    model.__dict__[_PLAN_ATTR] = plan
+    model.__dict__[_PLAN_ATTR] = _Installed(plan)
     return plan
 
 
 def offload_engine(model: nn.Module) -> OffloadEngine | None:
     """The ``OffloadEngine`` of the installed plan (``None`` without offload); its
     ``stats`` report bytes moved each way and host-pool usage."""
-    return model.__dict__.get(_ENGINE_ATTR)
+    return _installed(model, _ENGINE_ATTR)
 
 
 def held_by_layer(model: nn.Module) -> dict[str, dict[str, dict[str, int]]]:
@@ -231,7 +245,7 @@ def _shared_policies(
 
 def installed_plan(model: nn.Module) -> Plan | None:
     """The plan ``apply`` last installed on ``model``, if it is still installed."""
-    return model.__dict__.get(_PLAN_ATTR)
+    return _installed(model, _PLAN_ATTR)
 
 
 def remove(model: nn.Module) -> int:

@@ -7,12 +7,18 @@ hooks (FSDP's included) stay outside the replayed region, and
 outputs may be any PyTree (TypedDicts, lists of micro-batches, kwargs,
 non-tensor leaves): the non-reentrant implementation tracks saved tensors, not
 argument positions.
+
+Pickling a wrapped model (``torch.save(model)``) saves the plain model: the wrappers'
+runtime state (policies, offload engines, streams) belongs to one process, so the loaded
+model runs without a plan until ``actplan.apply`` installs one again. ``copy.deepcopy``
+keeps the wrapper, bound to the copy.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import functools
-import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -25,6 +31,58 @@ from torch.utils.checkpoint import checkpoint
 from actplan.markers import LAYER_END, checkpoint_record, routing_markers
 
 _STATE_ATTR = "_actplan_checkpoint"
+
+
+def _dropped() -> None:
+    return None
+
+
+class RuntimeOnly:
+    """Mixin for wrapper state: pickling leaves it behind (it unpickles as ``None``), while
+    ``copy.deepcopy`` copies it field by field."""
+
+    def __reduce__(self) -> tuple[Any, tuple[()]]:
+        return (_dropped, ())
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        new = object.__new__(type(self))
+        memo[id(self)] = new
+        for field in dataclasses.fields(self):  # type: ignore[arg-type]
+            object.__setattr__(new, field.name, copy.deepcopy(getattr(self, field.name), memo))
+        return new
+
+
+def _forward_after_load(module: nn.Module, previous: Callable[..., Any] | None) -> Callable[..., Any]:
+    # The instance forward a loaded module gets: what the wrapper had replaced, or the class's.
+    return previous if previous is not None else functools.partial(type(module).forward, module)
+
+
+class InstanceForward:
+    """An instance-level ``forward`` that calls ``function(module, ...)``.
+
+    Deepcopy rebinds it to the copied module (the wrapper stays); pickling turns it back
+    into the forward it replaced (``previous``), so a saved model loads without actplan.
+    """
+
+    __slots__ = ("function", "module", "previous")
+
+    def __init__(
+        self, function: Callable[..., Any], module: nn.Module, previous: Callable[..., Any] | None
+    ) -> None:
+        self.function = function
+        self.module = module
+        self.previous = previous
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.function(self.module, *args, **kwargs)
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return (_forward_after_load, (self.module, self.previous))
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> InstanceForward:
+        return InstanceForward(
+            self.function, copy.deepcopy(self.module, memo), copy.deepcopy(self.previous, memo)
+        )
 
 
 class MarkerPolicy(Protocol):
@@ -42,8 +100,8 @@ class MarkerPolicy(Protocol):
 
 
 @dataclass
-class CheckpointState:
-    """What ``apply_gradient_checkpointing`` installed on a module."""
+class CheckpointState(RuntimeOnly):
+    """What ``apply_gradient_checkpointing`` installed on a module (not pickled)."""
 
     context_fn: Callable[[], Any] | None
     policy: MarkerPolicy | None
@@ -199,14 +257,15 @@ def apply_gradient_checkpointing(
             name=name,
         ),
     )
-    # A bound method (not a closure) so copy.deepcopy rebinds it to the copy.
-    module.forward = types.MethodType(_checkpointed_forward, module)
+    # Not a closure: copy.deepcopy rebinds it to the copy, and pickling drops it.
+    module.forward = InstanceForward(_checkpointed_forward, module, previous)
     return module
 
 
 def is_checkpointed(module: nn.Module) -> bool:
     """Whether ``apply_gradient_checkpointing`` wrapped this module."""
-    return _STATE_ATTR in module.__dict__
+    # A loaded copy of a pickled wrapped module holds None here: it is not wrapped.
+    return module.__dict__.get(_STATE_ATTR) is not None
 
 
 def checkpoint_state(module: nn.Module) -> CheckpointState | None:

@@ -21,7 +21,6 @@ instance-forward helpers both layer wrappers share; plus torch.
 from __future__ import annotations
 
 import threading
-import types
 import warnings
 import weakref
 from collections import defaultdict, deque
@@ -35,7 +34,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_leaves
 
-from actplan.boundary import inner_forward, restore_forward
+from actplan.boundary import InstanceForward, RuntimeOnly, inner_forward, restore_forward
 from actplan.markers import routing_markers
 from actplan.sizes import DEFAULT_HOST_CAP_BYTES, DEFAULT_OFFLOAD_MIN_BYTES
 
@@ -709,8 +708,8 @@ def _unpack(saved: Any) -> Any:
 
 
 @dataclass
-class OffloadState:
-    """What ``apply_offload`` installed on a layer."""
+class OffloadState(RuntimeOnly):
+    """What ``apply_offload`` installed on a layer (not pickled)."""
 
     engine: OffloadEngine
     name: str
@@ -794,7 +793,7 @@ def apply_offload(
     selectively checkpointed layer are offloaded by its policy instead. ``position``: the
     layer's index in the model, for prefetch distances. Undo with ``remove_offload``.
     """
-    if _STATE_ATTR in module.__dict__:
+    if is_offloaded(module):
         raise ValueError(f"{name} already has an offload wrapper; call remove_offload(module) first")
     spans = tuple(intervals)
     opens: dict[str, list[Any]] = defaultdict(list)
@@ -802,6 +801,7 @@ def apply_offload(
     for span in spans:
         opens[span.start].append(span)
         closes[span.end].append(span)
+    previous = module.__dict__.get("forward")
     module.__dict__[_STATE_ATTR] = OffloadState(
         engine=engine,
         name=name,
@@ -809,15 +809,16 @@ def apply_offload(
         opens={m: tuple(v) for m, v in opens.items()},
         closes={m: tuple(v) for m, v in closes.items()},
         what=what,
-        previous_forward=module.__dict__.get("forward"),
+        previous_forward=previous,
         position=position,
     )
-    module.forward = types.MethodType(_offloaded_forward, module)
+    module.forward = InstanceForward(_offloaded_forward, module, previous)
     return module
 
 
 def is_offloaded(module: nn.Module) -> bool:
-    return _STATE_ATTR in module.__dict__
+    # A loaded copy of a pickled offloading module holds None here: it is not wrapped.
+    return module.__dict__.get(_STATE_ATTR) is not None
 
 
 def remove_offload(module: nn.Module) -> bool:

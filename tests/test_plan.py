@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -432,3 +434,22 @@ def test_a_top_level_choice_that_overrides_fully_cover_is_an_error():
     # Without a top-level preset/keep/recompute there is nothing to lose.
     plan = plan_for({"layers": "none", "overrides": [{"layers": "1", "mode": "full"}]}, dense_layers(4))
     assert [layer.mode for layer in plan.layers] == ["none", "full", "none", "none"]
+
+
+def test_a_plain_dict_declaration_says_to_wrap_it_in_a_recompute_interval_map():
+    from torch import nn
+
+    import actplan
+
+    class Block(nn.Module):
+        recompute_intervals: ClassVar = {"mlp_up": actplan.MarkerInterval("up", "act")}  # not wrapped
+
+        def __init__(self):
+            super().__init__()
+            self.up = nn.Linear(2, 2)
+
+        def forward(self, x):
+            return self.up(x)
+
+    with pytest.raises(ConfigError, match=r"Block set recompute_intervals to a plain dict.*IntervalMap\("):
+        actplan.apply(nn.Sequential(Block(), Block()), "full")

@@ -101,6 +101,8 @@ def plan_for(
     if not specs and hf.contains_transformers(model):
         # A transformers model with no usable layout: say what was found and how to pass one.
         raise hf.layout_error(model, hf.unsure_layers(model, layouts))
+    if not specs:
+        _reject_plain_dict_declarations(model)
     try:
         parsed = RecomputeConfig.parse(config)
     except ConfigError as err:
@@ -109,6 +111,23 @@ def plan_for(
         declared = {u.value: None for spec in specs for u in spec.interval_map.units}
         raise ConfigError(f"{err}\nunits this model declares: {', '.join(declared) or 'none'}") from None
     return resolve_plan(parsed, specs)
+
+
+def _reject_plain_dict_declarations(model: nn.Module) -> None:
+    # A plain dict is not a declaration (find_layers ignores it): say how to make it one.
+    classes = sorted(
+        {
+            type(m).__name__
+            for m in model.modules()
+            if isinstance(getattr(m, "recompute_intervals", None), dict)
+        }
+    )
+    if classes:
+        raise ConfigError(
+            f"{', '.join(classes)} set recompute_intervals to a plain dict, which actplan does not read, "
+            "so the model declares no checkpointable layers; wrap it: recompute_intervals = "
+            "RecomputeIntervalMap({...}) (from actplan import RecomputeIntervalMap)"
+        )
 
 
 def apply(

@@ -6,7 +6,8 @@ memory meter and the interleaved timer:
 
 * ``retained_bytes``: device bytes the layer leaves alive at the end of its forward (its
   saved tensors, its input when it saves it; not its output, which the next layer owns);
-* ``transient_bytes``: what its backward, recompute included, needs on top at its peak;
+* ``transient_bytes``: what its backward, recompute included, needs on top at its peak,
+  with the gradient arriving at its output (in a model, allocated during that backward);
 * ``extra_seconds``: forward+backward time over the ``none`` candidate (median of paired
   rounds); offload is charged its exposed copy time from a bandwidth figure;
 * ``offloaded_bytes``: what offload moved to the host tier.
@@ -52,7 +53,7 @@ from actplan.plan import format_indices
 from actplan.planner import Candidate, PlanProblem
 from actplan.sizes import DEFAULT_OFFLOAD_MIN_BYTES
 
-PROFILE_FORMAT = 3  # 2: needs-based eager engine; 3: the chain ranked by additive savings
+PROFILE_FORMAT = 4  # 2: needs-based engine; 3: chain by unit forward time; 4: boundary grads
 
 
 @dataclass
@@ -272,21 +273,29 @@ def _type_key(module: nn.Module, args: tuple, kwargs: dict) -> str:
 
 def _capture_layer_inputs(model: nn.Module, batch: dict) -> list[tuple[str, tuple, dict]]:
     """Per layer, its type key and a copy of the inputs of one forward. Inputs that are the
-    model's parameters or buffers (a RoPE table) stay themselves: they are not activations."""
+    model's parameters or buffers (a RoPE table), or one tensor handed to several layers (the
+    RoPE cos/sin or a mask the model computes once), stay themselves: they are not the
+    layer's activations, and the model holds them once whatever the layers do."""
     captured: list[tuple[str, tuple, dict] | None] = [None] * len(find_layers(model))
     owned = {t.untyped_storage()._cdata for t in [*model.parameters(), *model.buffers()]}
+    seen: dict[int, set[int]] = {}  # storage -> layers it was handed to
+    originals: dict[int, torch.Tensor] = {}  # id of a copy -> the tensor it copies
 
-    def copy_input(t: Any) -> Any:
+    def copy_input(t: Any, index: int) -> Any:
         if not isinstance(t, torch.Tensor) or t.untyped_storage()._cdata in owned:
             return t
-        return _Activation(t.detach().clone())
+        seen.setdefault(t.untyped_storage()._cdata, set()).add(index)
+        copied = _Activation(t.detach().clone())
+        originals[id(copied)] = t.detach()
+        return copied
 
     handles = []
     for index, (_, layer) in enumerate(find_layers(model)):
 
         def hook(module, args, kwargs, index=index):
             if captured[index] is None:
-                captured[index] = (_type_key(module, args, kwargs), *tree_map(copy_input, (args, kwargs)))
+                copied = tree_map(functools.partial(copy_input, index=index), (args, kwargs))
+                captured[index] = (_type_key(module, args, kwargs), *copied)
 
         handles.append(layer.register_forward_pre_hook(hook, with_kwargs=True))
     try:
@@ -301,7 +310,16 @@ def _capture_layer_inputs(model: nn.Module, batch: dict) -> list[tuple[str, tupl
         raise RuntimeError(
             f"layers {missing} did not run in a forward pass; a profile needs every layer to run"
         )
-    return captured  # type: ignore[return-value]
+    shared = {storage for storage, layers in seen.items() if len(layers) > 1}
+
+    def settle(item: Any) -> Any:
+        if isinstance(item, _Activation):
+            original = originals[id(item)]
+            if original.untyped_storage()._cdata in shared:
+                return original
+        return item
+
+    return [(key, *tree_map(settle, (args, kwargs))) for key, args, kwargs in captured]  # type: ignore[misc]
 
 
 class _Activation:
@@ -339,6 +357,10 @@ class _IsolatedLayer:
             for t in tree_leaves(out)
             if isinstance(t, torch.Tensor) and t.requires_grad
         ]
+        # In a model, the gradient arriving at the layer's output is a new tensor, alive during
+        # the layer's backward; alone, it exists before the metered window. (The gradient made
+        # for the input is counted alone too: autograd makes it before accumulating it.)
+        self.boundary_grad_bytes = sum(g.numel() * g.element_size() for g in self.grads)
 
     def _inputs(self) -> tuple[tuple, dict]:
         # Fresh non-leaf copies of the activations, made inside the measured window, so the
@@ -429,7 +451,9 @@ class _IsolatedLayer:
         self._ready[identity] = (layer, True)  # the metered step was a whole step
         report = meter.report()
         candidate.retained_bytes = max(figures["retained"], 0)
-        candidate.transient_bytes = max(report.peak_live_bytes - figures["live_forward_end"], 0)
+        candidate.transient_bytes = (
+            max(report.peak_live_bytes - figures["live_forward_end"], 0) + self.boundary_grad_bytes
+        )
         candidate.offloaded_bytes = engine.stats.bytes_offloaded if engine is not None else 0
 
     def measure_retained(self, candidate: CandidateProfile) -> None:

@@ -85,8 +85,10 @@ def test_all_units_kept_is_exact(bundle, baseline):
 def test_random_unit_subsets_and_layer_selectors_are_exact(bundle, baseline, keep, layers, use_recompute):
     if use_recompute:
         config = {"mode": "selective", "recompute": keep, "layers": layers}
-    else:
+    elif keep:
         config = {"mode": "selective", "keep": keep, "layers": layers}
+    else:  # keeping nothing is written `mode: full` (`keep: []` is refused as doing nothing)
+        config = {"mode": "full", "layers": layers}
     assert_exact(bundle, baseline, config)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import itertools
 import json
+import re
 import time
 
 import pytest
@@ -222,7 +223,8 @@ def test_cli_plan_below_the_minimum_states_the_range_and_the_trade_off(dense, ca
     assert main([*args, "--cache-dir", str(cache), "--no-run", "--plot", "", "--quiet"]) == 2
     printed = capsys.readouterr().out
     assert "predicted peaks range from" in printed and "up to the no-checkpoint peak" in printed
-    assert "What each budget buys" in printed and "0-1 none" in printed  # the front's last row
+    assert "What each budget buys" in printed
+    assert re.search(r"MiB +\d+% +\d\.\d{3}x  0-1 ", printed)  # a row of the front: peak, share, time, plan
 
 
 def test_cli_plan_above_the_no_checkpoint_peak_says_so(dense, cache, tmp_path, capsys):
@@ -249,9 +251,11 @@ def test_cli_plan_sweep_prints_the_front_without_running(dense, cache, tmp_path,
     front = json.loads(report.read_text())["front"]
     _, profile = dense
     assert front[0]["predicted_peak_bytes"] == pytest.approx(minimum_peak(profile.problem())[0])
-    assert front[-1]["candidates"] == ["none"] * 2 and front[-1]["share_of_none_peak"] == pytest.approx(1.0)
+    # The front ends at the fastest plan; with timing noise a kept set can tie `none` on time
+    # and hold less, so the last point need not be `none` itself.
+    assert front[-1]["share_of_none_peak"] <= 1.0 + 1e-9 and len(front[-1]["candidates"]) == 2
     assert all(a["predicted_ratio"] > b["predicted_ratio"] for a, b in itertools.pairwise(front))
-    assert "0-1 none" in printed and "every plan worth having" in printed
+    assert "every plan worth having" in printed
     with pytest.raises(SystemExit):
         main(["plan", "--model", "dense", "--sweep", "--budget", "50%"])  # one or the other
     assert main([*args, "--out", str(tmp_path / "x.yaml")]) == 2

@@ -92,6 +92,9 @@ class PlanProblem:
     head_transient_bytes: float = 0.0  # the loss head's backward, at backward start
     # Offload reloads this many earlier layers during a layer's backward (counted in its phase).
     prefetch_layers: int = 0
+    # Per layer, measured: what runs during its backward, or before the layer below it starts
+    # (a loss head in mid-model, as multi-token prediction has), beyond the model above.
+    layer_extra_bytes: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.layers:
@@ -114,6 +117,11 @@ class PlanProblem:
                             f"layer {index}, candidate {candidate.name!r}: {field} is {value}; costs must be "
                             "finite numbers (a failed measurement? profile again with --refresh)"
                         )
+        if self.layer_extra_bytes and len(self.layer_extra_bytes) != len(self.layers):
+            raise ValueError(
+                f"layer_extra_bytes has {len(self.layer_extra_bytes)} entries for {len(self.layers)} "
+                "layers; give one per layer, or none"
+            )
         if self.layer_grad_bytes and len(self.layer_grad_bytes) != len(self.layers):
             raise ValueError(
                 f"layer_grad_bytes has {len(self.layer_grad_bytes)} entries for {len(self.layers)} layers; "
@@ -122,6 +130,10 @@ class PlanProblem:
 
     def _grads(self) -> tuple[float, ...]:
         return self.layer_grad_bytes or (0.0,) * len(self.layers)
+
+    def extras(self) -> tuple[float, ...]:
+        """Per layer, its measured extra backward bytes (zeros when none were given)."""
+        return self.layer_extra_bytes or (0.0,) * len(self.layers)
 
     def grads_after(self) -> list[float]:
         """Per layer ``i``, gradient bytes of layers after it (already produced in backward)."""
@@ -132,9 +144,12 @@ class PlanProblem:
     def optimizer_phase_bytes(self) -> float:
         return self.static_bytes + self.other_grad_bytes + sum(self._grads()) + self.optimizer_step_bytes
 
-    def peak(self, choices: Sequence[int]) -> float:
+    def phases(self, choices: Sequence[int]) -> list[float]:
+        """Predicted bytes of every phase: backward start, each layer's backward (forward
+        order), the optimizer step."""
         picked = [self.layers[i][c] for i, c in enumerate(choices)]
         after = self.grads_after()
+        extra = self.extras()
         base = self.static_bytes + self.backward_extra_bytes
         phases = [
             base + self.nonlayer_bytes + self.head_transient_bytes + sum(p.retained_bytes for p in picked)
@@ -143,9 +158,14 @@ class PlanProblem:
         for i, p in enumerate(picked):
             retained += p.retained_bytes
             prefetched = sum(q.offloaded_bytes for q in picked[max(i - self.prefetch_layers, 0) : i])
-            phases.append(base + self.other_grad_bytes + retained + p.transient_bytes + prefetched + after[i])
+            phases.append(
+                base + self.other_grad_bytes + retained + p.transient_bytes + prefetched + after[i] + extra[i]
+            )
         phases.append(self.optimizer_phase_bytes)
-        return max(phases)
+        return phases
+
+    def peak(self, choices: Sequence[int]) -> float:
+        return max(self.phases(choices))
 
     def seconds(self, choices: Sequence[int]) -> float:
         return self.base_seconds + sum(self.layers[i][c].extra_seconds for i, c in enumerate(choices))
@@ -279,7 +299,7 @@ def _frontier(
     depth = reduced.prefetch_layers
     minimise_peak = budget is None
     base = reduced.static_bytes + reduced.backward_extra_bytes
-    after = reduced.grads_after()
+    after = [a + e for a, e in zip(reduced.grads_after(), reduced.extras(), strict=True)]
     start_phase = base + reduced.nonlayer_bytes + reduced.head_transient_bytes
     if not minimise_peak and reduced.optimizer_phase_bytes > budget:
         return None
@@ -424,7 +444,7 @@ def _milp_reduced(problem: PlanProblem, budget: float | None) -> tuple[int, ...]
     width = n + layers + (1 if minimise_peak else 0)
     s0, p_col = n, n + layers
     static = (problem.static_bytes + problem.backward_extra_bytes) / _MIB
-    after = [a / _MIB for a in problem.grads_after()]
+    after = [(a + e) / _MIB for a, e in zip(problem.grads_after(), problem.extras(), strict=True)]
     other = problem.other_grad_bytes / _MIB
     cap = (budget or 0.0) / _MIB
 

@@ -35,7 +35,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +53,7 @@ from actplan.plan import format_indices
 from actplan.planner import Candidate, PlanProblem
 from actplan.sizes import DEFAULT_OFFLOAD_MIN_BYTES
 
-PROFILE_FORMAT = 4  # 2: needs-based engine; 3: chain by unit forward time; 4: boundary grads
+PROFILE_FORMAT = 5  # 3: chain by unit forward time; 4: boundary grads; 5: per-layer extras
 
 
 @dataclass
@@ -108,6 +108,9 @@ class ModelProfile:
     # Measured backward peaks of `none` and `full` beyond what the phase model predicts for
     # them (the loss head's backward, mostly); the planner adds it to every backward phase.
     backward_extra_bytes: int = 0
+    # Per layer, what the measured runs hold during its backward (and before the layer below
+    # starts) beyond the phase model: a loss head in mid-model, say. Added to its phase.
+    layer_backward_extra_bytes: list[int] = field(default_factory=list)
     # What the loss head's backward (logits gradient, softmax) needs on top, measured.
     head_transient_bytes: int = 0
     # Offload's prefetch depth the plans are written with (OffloadConfig's default).
@@ -137,6 +140,7 @@ class ModelProfile:
             other_grad_bytes=self.other_grad_bytes,
             optimizer_step_bytes=self.optimizer_step_bytes,
             backward_extra_bytes=self.backward_extra_bytes,
+            layer_extra_bytes=tuple(self.layer_backward_extra_bytes),
             head_transient_bytes=self.head_transient_bytes,
             prefetch_layers=self.prefetch_layers,
         )
@@ -238,28 +242,40 @@ def _model_step(
         optimizer.zero_grad(set_to_none=True)
 
 
-def _watch_head_backward(model: nn.Module, meter: MemoryMeter) -> list[int]:
-    """Record the meter's live-bytes peak between the ``forward_end`` mark and the moment the
-    gradient reaches the last layer's output: the peak of the loss head's backward. Returns
-    the one-element list it fills in then."""
-    seen: list[int] = []
-    last = find_layers(model)[-1][1]
+def _watch_backward(model: nn.Module, meter: MemoryMeter) -> None:
+    """Mark ``grad_out <i>`` on the meter when the gradient of layer ``i``'s output is
+    complete: the moment its backward can start."""
+    handles = []
 
-    def on_grad(grad: torch.Tensor) -> None:
-        if not seen:
-            timeline = meter.report().timeline
-            start = max(i for i, (label, _) in enumerate(timeline) if label == "forward_end")
-            seen.append(max(live for _, live in timeline[start:]))
-
-    def on_output(module, args, output) -> None:
-        handle.remove()
+    def on_output(module, args, output, index: int) -> None:
+        handles[index].remove()
         for t in tree_leaves(output):
             if isinstance(t, torch.Tensor) and t.requires_grad:
-                t.register_hook(on_grad)
+                t.register_hook(lambda grad: meter.mark(f"grad_out {index}") and None)
                 break
 
-    handle = last.register_forward_hook(on_output)
-    return seen
+    for index, (_, layer) in enumerate(find_layers(model)):
+        handles.append(layer.register_forward_hook(functools.partial(on_output, index=index)))
+
+
+def _backward_intervals(report: Any, layers: int) -> tuple[int, list[int]]:
+    """From a metered step with ``forward_end`` and ``grad_out <i>`` marks: the live-bytes peak
+    from forward end to the last layer's backward (the loss head's), and per layer ``i`` the
+    peak from its ``grad_out`` to the next lower layer's (its backward, and whatever else runs
+    before the layer below starts); layer 0's runs to the end of backward."""
+    timeline = report.timeline
+    starts = {label: i for i, (label, _) in enumerate(timeline)}
+    begin = max(i for i, (label, _) in enumerate(timeline) if label == "forward_end")
+    bounds = [starts.get(f"grad_out {i}") for i in range(layers)]
+    if any(b is None for b in bounds):
+        return max(live for _, live in timeline[begin:]), []
+
+    def peak(a: int, b: int) -> int:
+        return max((live for _, live in timeline[a:b]), default=0)
+
+    head = peak(begin, bounds[-1])
+    per_layer = [peak(bounds[i], bounds[i - 1] if i else len(timeline)) for i in range(layers)]
+    return head, per_layer
 
 
 def _type_key(module: nn.Module, args: tuple, kwargs: dict) -> str:
@@ -592,6 +608,7 @@ def profile_model(
     # Whole-model figures: fixed costs, step time and peaks of none and full.
     figures = {}
     head_transients: list[int] = []
+    interval_peaks: dict[str, list[int]] = {}
     warmed_state = None
     for preset in ("none", "full"):
         plain = copy.deepcopy(model)
@@ -604,12 +621,13 @@ def profile_model(
             optimizer.load_state_dict(warmed_state)  # the same state, without another step
         with MemoryMeter(plain, optimizer) as meter:
             torch.manual_seed(0)
-            head_peak = _watch_head_backward(plain, meter)
+            _watch_backward(plain, meter)
             loss = _loss(plain(**batch))
             forward_end = meter.mark("forward_end").live_bytes
             loss.backward()
             del loss
-        head_transients.append(max(head_peak[0] - forward_end, 0) if head_peak else 0)
+        head_peak, interval_peaks[preset] = _backward_intervals(meter.report(), len(layers))
+        head_transients.append(max(head_peak - forward_end, 0))
         # The optimizer step's own temporaries, with every gradient in place.
         with MemoryMeter(plain, optimizer) as step_meter:
             optimizer.step()
@@ -690,12 +708,29 @@ def profile_model(
     )
     # The loss head's backward runs first, with every activation still alive.
     profile.head_transient_bytes = max(head_transients)
-    # Calibrate the backward phases on the two measured runs (their forward+backward peaks).
+    # Calibrate each layer's backward phase on the two measured runs: what their interval
+    # peaks hold beyond the phase model (a loss head that runs in mid-model, as multi-token
+    # prediction has, shows up in the phase of the layer above it).
+    runs = (("none", none_report), ("full", full_report))
+    choices_of = {
+        preset: [[c.name for c in profile.type_of(i).candidates].index(preset) for i in range(len(layers))]
+        for preset, _ in runs
+    }
+    if all(interval_peaks[preset] for preset, _ in runs):
+        problem = profile.problem()
+        extras = [0] * len(layers)
+        for preset, report in runs:
+            static = report.peak_bytes - report.peak_live_bytes
+            predicted = problem.phases(choices_of[preset])[1:-1]
+            for i, measured in enumerate(interval_peaks[preset]):
+                extras[i] = max(extras[i], int(static + measured - predicted[i]))
+        profile.layer_backward_extra_bytes = extras
+    # Then whatever the whole runs still peak at beyond the model goes to every phase.
     problem = profile.problem()
-    residuals = []
-    for preset, report in (("none", none_report), ("full", full_report)):
-        choices = [[c.name for c in profile.type_of(i).candidates].index(preset) for i in range(len(layers))]
-        residuals.append(report.peak_bytes - replace(problem, optimizer_step_bytes=0.0).peak(choices))
+    residuals = [
+        report.peak_bytes - replace(problem, optimizer_step_bytes=0.0).peak(choices_of[preset])
+        for preset, report in runs
+    ]
     profile.backward_extra_bytes = max(int(max(residuals)), 0)
     profile.seconds_spent = time.perf_counter() - started
     return profile

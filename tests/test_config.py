@@ -581,3 +581,30 @@ def test_no_invariant_is_an_assert_statement():
             if isinstance(node, ast.Assert):
                 found.append(f"{path.relative_to(package)}:{node.lineno}")
     assert not found, f"assert statements in actplan (raise a real error instead): {found}"
+
+
+def test_json_rejects_a_key_given_twice():
+    with pytest.raises(ConfigError, match=r"malformed JSON in twice\.json: key 'mode' appears twice"):
+        RecomputeConfig.from_json(
+            '{"mode": "full", "mode": "selective", "keep": ["attn_core"]}', "twice.json"
+        )
+    with pytest.raises(ConfigError, match="key 'layers' appears twice"):
+        RecomputeConfig.from_json('{"overrides": [{"layers": "0", "layers": "1", "mode": "none"}]}')
+
+
+def test_non_utf8_config_file_names_the_file_and_the_fix(tmp_path):
+    path = tmp_path / "latin.yaml"
+    path.write_bytes("# caf\xe9\nmode: full\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match=r"latin\.yaml' is not UTF-8 text .*save it as UTF-8"):
+        RecomputeConfig.from_file(path)
+
+
+def test_unit_list_of_another_type_asks_for_a_list_of_unit_names():
+    with pytest.raises(ConfigError, match="keep: expected a list of unit names, got 5") as info:
+        RecomputeConfig.from_dict({"keep": 5})
+    assert "tuple" not in str(info.value)
+    with pytest.raises(
+        ConfigError, match=r"offload\.units: expected a list of unit names or 'kept', got 5"
+    ) as info:
+        RecomputeConfig.from_dict({"mode": "full", "offload": {"units": 5}})
+    assert "tuple" not in str(info.value)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import copy
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
@@ -54,6 +54,22 @@ class _StrictSafeLoader(yaml.SafeLoader):
                 )
             first_line[key] = key_node.start_mark.line + 1
         return super().construct_mapping(node, deep=deep)
+
+
+def _strict_json_object(source: str) -> Callable[[list[tuple[str, Any]]], dict[str, Any]]:
+    """A ``json.loads`` hook that refuses a key given twice in one object (JSON keeps the last)."""
+
+    def build(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        data: dict[str, Any] = {}
+        for key, value in pairs:
+            if key in data:
+                raise ConfigError(
+                    f"malformed JSON in {source}: key {key!r} appears twice in one object; keep one"
+                )
+            data[key] = value
+        return data
+
+    return build
 
 
 @dataclass(frozen=True)
@@ -334,6 +350,8 @@ class RecomputeChoice(BaseModel):
     def _require_unit_list(cls, value: Any) -> Any:
         if isinstance(value, str):
             raise ConfigError(f"expected a list of unit names, got the string {value!r}; write [{value}]")
+        if value is not None and not isinstance(value, list | tuple | set | frozenset):
+            raise ConfigError(f"expected a list of unit names, got {value!r}; write e.g. [attn_core, mlp_up]")
         return value
 
     @field_validator("keep", "recompute")
@@ -445,6 +463,10 @@ class OffloadConfig(BaseModel):
             raise ConfigError(
                 f"offload.units: expected a list of unit names or 'kept', got the string {value!r}; "
                 f"write [{value}]"
+            )
+        if not isinstance(value, str | list | tuple | set | frozenset):
+            raise ConfigError(
+                f"expected a list of unit names or 'kept', got {value!r}; write e.g. [attn_core] or kept"
             )
         return value
 
@@ -590,7 +612,7 @@ class RecomputeConfig(RecomputeChoice):
     def from_json(cls, text: str, source: str = "<string>") -> RecomputeConfig:
         """Parse JSON text; errors name ``source`` and the line."""
         try:
-            data = json.loads(text)
+            data = json.loads(text, object_pairs_hook=_strict_json_object(source))
         except json.JSONDecodeError as err:
             raise ConfigError(
                 f"malformed JSON in {source}, line {err.lineno}, column {err.colno}: {err.msg}; "
@@ -613,6 +635,11 @@ class RecomputeConfig(RecomputeChoice):
         except OSError as err:
             raise ConfigError(
                 f"cannot read config file {str(path)!r}: {err.strerror}; check the path"
+            ) from None
+        except UnicodeDecodeError as err:
+            raise ConfigError(
+                f"config file {str(path)!r} is not UTF-8 text (byte {err.object[err.start]:#04x} at "
+                f"offset {err.start}); save it as UTF-8"
             ) from None
         if kind == "yaml":
             return cls.from_yaml(text, source=str(path))

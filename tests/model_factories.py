@@ -63,3 +63,7 @@ def noisy():
         return {"x": torch.randn(4, 16, generator=gen), "target": torch.randn(4, 16, generator=gen)}
 
     return model, make_batch
+
+
+def broken():
+    raise KeyError("no such checkpoint")

@@ -132,3 +132,13 @@ def test_units_lists_the_catalogue_and_a_models_units(capsys):
 def test_unknown_preset_is_an_error(capsys):
     assert main(["explain", "--size", "tiny", "--config", "matmul"]) == 2
     assert "matmul" in capsys.readouterr().out
+
+
+def test_a_factory_that_raises_is_named_in_the_error():
+    from actplan.models import load_model
+
+    with pytest.raises(RuntimeError, match=r"model factory 'model_factories:broken' raised KeyError") as info:
+        load_model("model_factories:broken")
+    assert isinstance(info.value.__cause__, KeyError)
+    with pytest.raises(RuntimeError, match="model_factories:broken"):
+        main(["units", "--model", "model_factories:broken"])

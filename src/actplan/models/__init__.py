@@ -108,7 +108,13 @@ def load_model(spec: str, size: str = "small") -> ModelBundle:
     factory = getattr(module, attribute, None)
     if not callable(factory):
         raise ValueError(f"{module_name!r} has no callable {attribute!r} (model {spec!r})")
-    made = factory()
+    try:
+        made = factory()
+    except Exception as err:
+        # Keep the factory's own traceback (chained below) and say which --model it was.
+        raise RuntimeError(
+            f"model factory {spec!r} raised {type(err).__name__}: {err} (its traceback is above)"
+        ) from err
     if isinstance(made, ModelBundle):
         return made
     if not (

@@ -142,3 +142,20 @@ def test_a_factory_that_raises_is_named_in_the_error():
     assert isinstance(info.value.__cause__, KeyError)
     with pytest.raises(RuntimeError, match="model_factories:broken"):
         main(["units", "--model", "model_factories:broken"])
+
+
+@pytest.mark.parametrize("device", ["tpu", "cuda", "cuda:7"])
+def test_an_unknown_or_missing_device_is_one_clear_error(device, capsys, monkeypatch):
+    import torch
+
+    import actplan.cli
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(actplan.cli, "run_bench", lambda *a, **k: pytest.fail("ran before checking --device"))
+    assert main(["bench", "--size", "tiny", "--device", device]) == 2
+    out = capsys.readouterr().out
+    assert f"'{device}'" in out and "cpu" in out and "Traceback" not in out
+    assert ("valid choices: auto, cpu, cuda" if device == "tpu" else "is not available") in out
+    for command in (["profile", "--size", "tiny"], ["verify", "--config", "full"]):
+        assert main([*command, "--device", device]) == 2
+        assert f"'{device}'" in capsys.readouterr().out

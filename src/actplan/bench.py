@@ -304,6 +304,7 @@ def _without_wrapper_prefix(capture: StepCapture) -> StepCapture:
     layers are wrapper modules compares parameter by parameter with ``none``."""
     if not any(_WRAPPER_PREFIX in name for name in capture.grads):
         return capture
+
     def unwrapped(names):
         return frozenset(name.replace(_WRAPPER_PREFIX, "") for name in names)
 
@@ -339,10 +340,34 @@ def policy_config(name: str) -> RecomputeConfig:
     return RecomputeConfig.parse(name)
 
 
+DEVICE_CHOICES = "auto, cpu, cuda or cuda:<index>"
+
+
 def _device(name: str) -> torch.device:
+    """``--device``: ``auto`` (CUDA when there is one), ``cpu``, ``cuda`` or ``cuda:<index>``."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError, ValueError):
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise ValueError(f"unknown device {name!r}; valid choices: {DEVICE_CHOICES}")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            why = (
+                "this torch build has no CUDA" if torch.version.cuda is None else "no CUDA device is visible"
+            )
+            raise ValueError(
+                f"device {name!r} is not available: {why} (torch {torch.__version__}); "
+                "use --device cpu, or auto (CUDA when there is one)"
+            )
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(
+                f"device {name!r} is not available: {torch.cuda.device_count()} CUDA device(s) visible "
+                f"(cuda:0 to cuda:{torch.cuda.device_count() - 1})"
+            )
+    return device
 
 
 def run_bench(

@@ -504,6 +504,7 @@ def _verify(args: argparse.Namespace, console: Console) -> int:
     return 0 if report.ok else 1
 
 
+DEVICE_HELP = "auto (CUDA when there is one), cpu, cuda or cuda:<index>"
 MODEL_HELP = (
     f"built-in ({', '.join(MODELS)}), hf-<kind> (a random-weight transformers model; kinds: "
     f"{', '.join(hf.REFERENCE_KINDS)}), or package.module:factory"
@@ -513,7 +514,7 @@ MODEL_HELP = (
 def _add_profile_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="dense", help=MODEL_HELP)
     parser.add_argument("--size", default="small", help="size of a built-in model (tiny, small)")
-    parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    parser.add_argument("--device", default="auto", help=DEVICE_HELP)
     parser.add_argument("--repeats", type=int, default=5, help="timed rounds per measurement")
     parser.add_argument("--min-bytes", default="64KiB", help="offload size threshold of offload candidates")
     parser.add_argument(
@@ -559,7 +560,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=12,
         help="extra rounds timing full against plain torch.utils.checkpoint (0: none)",
     )
-    bench.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    bench.add_argument("--device", default="auto", help=DEVICE_HELP)
     bench.add_argument(
         "--ep",
         type=int,
@@ -616,7 +617,7 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--size", default="tiny", help="size of a built-in model (tiny, small)")
     check.add_argument("--config", required=True, help="preset name or YAML/JSON file")
     check.add_argument("--steps", type=int, default=3, help="optimizer steps to compare")
-    check.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    check.add_argument("--device", default="auto", help=DEVICE_HELP)
     check.add_argument(
         "--atol", type=float, default=0.0, help="tolerance for losses and gradients (0: bit-identical)"
     )
@@ -635,6 +636,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _check_arguments(args: argparse.Namespace) -> None:
+    """What can be checked before any work: the device."""
+    if getattr(args, "device", None) is not None:
+        from actplan.bench import _device
+
+        _device(args.device)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     console = Console()
@@ -642,6 +651,7 @@ def main(argv: list[str] | None = None) -> int:
         # Logs and CI captures have no width; don't squeeze the table to 80 columns.
         console = Console(width=200)
     try:
+        _check_arguments(args)
         return args.run(args, console)
     except (ConfigError, ValueError) as err:
         console.print(f"[red]error:[/] {err}")

@@ -159,3 +159,20 @@ def test_an_unknown_or_missing_device_is_one_clear_error(device, capsys, monkeyp
     for command in (["profile", "--size", "tiny"], ["verify", "--config", "full"]):
         assert main([*command, "--device", device]) == 2
         assert f"'{device}'" in capsys.readouterr().out
+
+
+def test_unwritable_output_paths_fail_before_any_work(tmp_path, capsys, monkeypatch):
+    import actplan.cli
+
+    monkeypatch.setattr(actplan.cli, "run_bench", lambda *a, **k: pytest.fail("ran before checking paths"))
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    under_a_file = str(a_file / "sub" / "r.json")
+    for option, path in (("--json", under_a_file), ("--markdown", str(tmp_path))):
+        code = main(["bench", "--size", "tiny", option, path])
+        out = " ".join(capsys.readouterr().out.split())
+        assert code == 2 and f"cannot write {option} '{path}'" in out and "choose another path" in out
+    assert main(["profile", "--size", "tiny", "--json", under_a_file]) == 2
+    assert "is a file, not a folder" in " ".join(capsys.readouterr().out.split())
+    assert main(["plan", "--size", "tiny", "--budget", "1GB", "--out", under_a_file]) == 2
+    assert "cannot write --out" in " ".join(capsys.readouterr().out.split())

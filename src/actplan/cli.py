@@ -7,6 +7,7 @@ Top of the import picture: it may use everything, nothing imports it.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -636,12 +637,39 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+_OUTPUT_OPTIONS = (("json", "--json"), ("markdown", "--markdown"), ("out", "--out"), ("plot", "--plot"))
+
+
+def _unwritable(path: Path) -> str | None:
+    """Why ``path`` cannot be written (its missing folders are made on writing); None if it can."""
+    if path.is_dir():
+        return "it is a directory; give a file path"
+    if path.exists():
+        return None if os.access(path, os.W_OK) else "the file is not writable"
+    folder = path.parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir():
+        return f"{str(folder)!r} is a file, not a folder"
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return f"no permission to write in {str(folder)!r}"
+    return None
+
+
 def _check_arguments(args: argparse.Namespace) -> None:
-    """What can be checked before any work: the device."""
+    """What can be checked before any work: the device and the output paths."""
     if getattr(args, "device", None) is not None:
         from actplan.bench import _device
 
         _device(args.device)
+    for attribute, option in _OUTPUT_OPTIONS:
+        if getattr(args, attribute, None):
+            why = _unwritable(Path(getattr(args, attribute)))
+            if why is not None:
+                raise ValueError(
+                    f"cannot write {option} {getattr(args, attribute)!r}: {why}; choose another path "
+                    "(checked before any work)"
+                )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -176,3 +176,28 @@ def test_unwritable_output_paths_fail_before_any_work(tmp_path, capsys, monkeypa
     assert "is a file, not a folder" in " ".join(capsys.readouterr().out.split())
     assert main(["plan", "--size", "tiny", "--budget", "1GB", "--out", under_a_file]) == 2
     assert "cannot write --out" in " ".join(capsys.readouterr().out.split())
+
+
+def _help(argv, capsys) -> str:
+    with pytest.raises(SystemExit):
+        main([*argv, "--help"])
+    return " ".join(capsys.readouterr().out.split())
+
+
+def test_help_shows_defaults_and_no_rest_markup(capsys):
+    top = _help([], capsys)
+    assert "``" not in top and "bench (the main job)" in top
+    bench = _help(["bench"], capsys)
+    assert "(default: small)" in bench and "(default: 7)" in bench and "(default: auto)" in bench
+    assert "(default: None)" not in bench and "(default: False)" not in bench
+    explain = _help(["explain"], capsys)
+    assert "--size SIZE size of a built-in model" in explain and "(default: small)" in explain
+    units = _help(["units"], capsys)
+    assert "--size" in units and "(default: tiny)" in units
+
+
+def test_units_takes_a_size(capsys):
+    assert main(["units", "--model", "dense", "--size", "small"]) == 0
+    assert "mlp_down" in capsys.readouterr().out
+    assert main(["units", "--model", "dense", "--size", "huge"]) == 2
+    assert "huge" in capsys.readouterr().out

@@ -247,7 +247,7 @@ def _units(args: argparse.Namespace, console: Console) -> int:
     from actplan.units import UNIT_DESCRIPTIONS, RecomputeUnit
 
     declared: dict[RecomputeUnit, list[str]] = {}
-    model = load_model(args.model, "tiny").model if args.model else None
+    model = load_model(args.model, args.size).model if args.model else None
     if model is not None:
         for spec in layer_specs(model):
             for unit in spec.interval_map.units:
@@ -529,8 +529,24 @@ def _add_profile_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quiet", action="store_true", help="no progress display")
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """Adds "(default: X)" to an option's help, where there is a default worth showing."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        help_text = action.help
+        if (
+            help_text is None
+            or "%(default)" in help_text
+            or not action.option_strings
+            or action.default in (None, False, [], argparse.SUPPRESS)
+        ):
+            return help_text
+        return f"{help_text} (default: %(default)s)"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="actplan", description=" ".join(__doc__.split("\n\n")[0].split()))
+    summary = " ".join(__doc__.split("\n\n")[0].split()).replace("``", "")
+    parser = argparse.ArgumentParser(prog="actplan", description=summary, formatter_class=_HelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
 
     bench = sub.add_parser("bench", help="measure every policy side by side on a reference model")
@@ -582,7 +598,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="dense",
         help=MODEL_HELP,
     )
-    explain.add_argument("--size", default="small")
+    explain.add_argument("--size", default="small", help="size of a built-in model (tiny, small)")
     explain.add_argument("--config", required=True, help="preset name or YAML/JSON file")
     explain.add_argument(
         "--measure",
@@ -633,7 +649,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     units = sub.add_parser("units", help="list the recompute units (all, or those a model declares)")
     units.add_argument("--model", help="only the units this model declares (any --model form)")
+    units.add_argument(
+        "--size", default="tiny", help="size of a built-in model given with --model (tiny, small)"
+    )
     units.set_defaults(run=_units)
+    for subparser in sub.choices.values():
+        subparser.formatter_class = _HelpFormatter
     return parser
 
 

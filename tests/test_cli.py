@@ -201,3 +201,25 @@ def test_units_takes_a_size(capsys):
     assert "mlp_down" in capsys.readouterr().out
     assert main(["units", "--model", "dense", "--size", "huge"]) == 2
     assert "huge" in capsys.readouterr().out
+
+
+def test_bench_quiet_about_its_own_offload_rows_and_goals_of_another_size(tmp_path):
+    import warnings
+
+    def moved_nothing(policies, configs=()):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            result = run_bench(
+                "dense", "tiny", policies, configs, repeats=1, warmup=0, overhead_repeats=0, reference=False
+            )
+        return result, [str(w.message) for w in caught if "moved nothing" in str(w.message)]
+
+    result, warned = moved_nothing(("none", "full", "matmuls", "full+offload"))
+    assert warned == []
+    assert result.size == "tiny" and result.goals == []
+    assert "NOT met" not in to_markdown(result)
+    # A user's config with the same offload still hears that it moved nothing.
+    mine = tmp_path / "mine.yaml"
+    mine.write_text("preset: full\noffload: {layer_input: true}\n")
+    _, warned = moved_nothing(("none",), (mine,))
+    assert warned and "lower offload.min_bytes" in warned[0]

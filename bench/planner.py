@@ -57,10 +57,12 @@ def stretched(problem: PlanProblem, layers: int) -> PlanProblem:
     """``problem``'s layers repeated (in order) to ``layers`` layers."""
     n = len(problem.layers)
     grads = problem.layer_grad_bytes or (0.0,) * n
+    extras = problem.extras()
     return replace(
         problem,
         layers=tuple(problem.layers[i % n] for i in range(layers)),
         layer_grad_bytes=tuple(grads[i % n] for i in range(layers)),
+        layer_extra_bytes=tuple(extras[i % n] for i in range(layers)),
     )
 
 
@@ -68,18 +70,19 @@ def mixed(problems: list[PlanProblem], layers: int) -> PlanProblem:
     """One stack of every distinct layer type in ``problems``, in contiguous blocks (as a
     model with dense first layers, MoE layers and MTP depths has), on the first one's fixed
     costs."""
-    types: list[tuple[tuple[Candidate, ...], float]] = []
+    types: list[tuple[tuple[Candidate, ...], float, float]] = []
     for problem in problems:
         grads = problem.layer_grad_bytes or (0.0,) * len(problem.layers)
-        for candidates, grad in zip(problem.layers, grads, strict=True):
-            if all(candidates != seen for seen, _ in types):
-                types.append((candidates, grad))
+        for candidates, grad, extra in zip(problem.layers, grads, problem.extras(), strict=True):
+            if all(candidates != seen for seen, _, _ in types):
+                types.append((candidates, grad, extra))
     block = -(-layers // len(types))
     picked = [types[min(i // block, len(types) - 1)] for i in range(layers)]
     return replace(
         problems[0],
-        layers=tuple(c for c, _ in picked),
-        layer_grad_bytes=tuple(g for _, g in picked),
+        layers=tuple(c for c, _, _ in picked),
+        layer_grad_bytes=tuple(g for _, g, _ in picked),
+        layer_extra_bytes=tuple(e for _, _, e in picked),
     )
 
 

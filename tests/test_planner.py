@@ -36,19 +36,26 @@ candidates = st.builds(
 mib = st.integers(0, 300).map(lambda m: float(m * MIB))
 
 
-@st.composite
-def problems(draw):
-    layers = draw(st.lists(st.lists(candidates, min_size=1, max_size=4).map(tuple), min_size=1, max_size=4))
+def _costs_around(draw, layers: tuple, grads: tuple) -> PlanProblem:
+    """``layers`` with drawn fixed costs, calibration terms and prefetch depth."""
     return PlanProblem(
-        layers=tuple(layers),
+        layers=layers,
         static_bytes=draw(mib),
         base_seconds=1.0,
         nonlayer_bytes=draw(mib),
-        layer_grad_bytes=tuple(draw(mib) for _ in layers),
+        layer_grad_bytes=grads,
         other_grad_bytes=draw(mib),
         optimizer_step_bytes=draw(mib),
+        head_transient_bytes=draw(mib),
+        layer_extra_bytes=draw(st.one_of(st.just(()), st.tuples(*(mib for _ in layers)))),
         prefetch_layers=draw(st.integers(0, 2)),
     )
+
+
+@st.composite
+def problems(draw):
+    layers = draw(st.lists(st.lists(candidates, min_size=1, max_size=4).map(tuple), min_size=1, max_size=4))
+    return _costs_around(draw, tuple(layers), tuple(draw(mib) for _ in layers))
 
 
 @settings(max_examples=80, deadline=None)
@@ -83,17 +90,8 @@ def stacks(draw):
     types = draw(st.lists(st.lists(candidates, min_size=2, max_size=7).map(tuple), min_size=1, max_size=3))
     count = draw(st.integers(4, 24))
     order = draw(st.lists(st.integers(0, len(types) - 1), min_size=count, max_size=count))
-    return PlanProblem(
-        layers=tuple(types[t] for t in order),
-        static_bytes=draw(mib),
-        base_seconds=1.0,
-        nonlayer_bytes=draw(mib),
-        layer_grad_bytes=tuple(draw(st.integers(0, 20)) * MIB for _ in order),
-        other_grad_bytes=draw(mib),
-        optimizer_step_bytes=draw(mib),
-        head_transient_bytes=draw(mib),
-        prefetch_layers=draw(st.integers(0, 2)),
-    )
+    grads = tuple(draw(st.integers(0, 20)) * MIB for _ in order)
+    return _costs_around(draw, tuple(types[t] for t in order), grads)
 
 
 @settings(max_examples=60, deadline=None)

@@ -150,9 +150,9 @@ def preset_choices(profile: ModelProfile, preset: str) -> list[int] | None:
     return choices
 
 
-def pareto_points(profile: ModelProfile) -> list[ParetoPoint]:
+def pareto_points(profile: ModelProfile, front: list[Solution] | None = None) -> list[ParetoPoint]:
     """Predicted (peak, step-time ratio) of every preset and of every plan on the planner's
-    front (``planner.pareto_front``)."""
+    front (``planner.pareto_front``; pass ``front`` when it is already known)."""
     problem = profile.problem()
     points = []
     for preset in PRESETS:
@@ -163,7 +163,7 @@ def pareto_points(profile: ModelProfile) -> list[ParetoPoint]:
                     preset, "preset", problem.peak(choices), problem.seconds(choices) / profile.base_seconds
                 )
             )
-    for solution in pareto_front(problem):
+    for solution in front if front is not None else pareto_front(problem):
         points.append(
             ParetoPoint(
                 f"peak {solution.predicted_peak_bytes / 2**20:.1f} MiB",
@@ -388,9 +388,10 @@ def _check_resolution(
             )
 
 
-def sweep(profile: ModelProfile) -> list[dict[str, Any]]:
-    """Every plan on the predicted front of ``profile``, least peak first: peak, step-time
-    ratio, share of the no-checkpoint peak and the candidate per layer. Nothing is run."""
+def sweep(profile: ModelProfile, front: list[Solution] | None = None) -> list[dict[str, Any]]:
+    """Every plan on the predicted front of ``profile`` (or the given ``front``), least peak
+    first: peak, step-time ratio, share of the no-checkpoint peak and the candidate per
+    layer. Nothing is run."""
     problem = profile.problem()
     top = none_peak(problem)
     return [
@@ -400,7 +401,7 @@ def sweep(profile: ModelProfile) -> list[dict[str, Any]]:
             "predicted_ratio": s.predicted_seconds / profile.base_seconds,
             "candidates": list(s.names),
         }
-        for s in pareto_front(problem)
+        for s in (front if front is not None else pareto_front(problem))
     ]
 
 

@@ -422,7 +422,7 @@ def _sweep(args: argparse.Namespace, console: Console) -> int:
     import json
 
     from actplan.budget import get_profile, pareto_points, sweep, write_pareto_plot
-    from actplan.planner import plan_summary
+    from actplan.planner import pareto_front, plan_summary
 
     if args.out or args.no_run:
         raise ValueError("--sweep writes no plan and runs nothing: drop --out and --no-run")
@@ -432,7 +432,8 @@ def _sweep(args: argparse.Namespace, console: Console) -> int:
         profile, _ = get_profile(
             bundle, args.model, device, **options, progress=lambda label: bar.update(task, description=label)
         )
-    front = sweep(profile)
+    solutions = pareto_front(profile.problem())
+    front = sweep(profile, solutions)
     table = Table(
         title=f"every plan worth having for {profile.model} (predicted, fastest at each peak)",
         caption="pick a peak, then `actplan plan --budget <peak>` writes and checks that plan",
@@ -449,7 +450,9 @@ def _sweep(args: argparse.Namespace, console: Console) -> int:
         )
     console.print(table)
     if args.plot:
-        write_pareto_plot(pareto_points(profile), args.plot, f"{profile.model} on {profile.device}")
+        write_pareto_plot(
+            pareto_points(profile, solutions), args.plot, f"{profile.model} on {profile.device}"
+        )
         console.print(f"wrote {args.plot}")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -541,24 +541,25 @@ class _IsolatedLayer:
 SETTLED_SHARE = 0.05
 
 
+def _spread(values: list[float]) -> float:
+    """The interquartile range over the square root of the count: how loose a median is."""
+    quartiles = statistics.quantiles(values, n=4, method="inclusive")
+    return (quartiles[2] - quartiles[0]) / math.sqrt(len(values))
+
+
 def _tight(samples: list[float]) -> bool:
-    quartiles = statistics.quantiles(samples, n=4, method="inclusive")
-    return (quartiles[2] - quartiles[0]) / math.sqrt(len(samples)) <= SETTLED_SHARE * statistics.median(
-        samples
-    )
+    return _spread(samples) <= SETTLED_SHARE * statistics.median(samples)
 
 
 def _settled(samples: Mapping[str, list[float]]) -> bool:
+    """Every candidate's paired difference to ``none`` is tight against ``none``'s time."""
     reference = samples["none"]
-    scale = statistics.median(reference)
-    for name, own in samples.items():
-        if name == "none":
-            continue
-        differences = sorted(a - b for a, b in zip(own, reference, strict=True))
-        quartiles = statistics.quantiles(differences, n=4, method="inclusive")
-        if (quartiles[2] - quartiles[0]) / math.sqrt(len(differences)) > SETTLED_SHARE * scale:
-            return False
-    return True
+    limit = SETTLED_SHARE * statistics.median(reference)
+    return all(
+        _spread([a - b for a, b in zip(own, reference, strict=True)]) <= limit
+        for name, own in samples.items()
+        if name != "none"
+    )
 
 
 def _say_for(say: Callable[[str], None], class_name: str, label: str) -> None:

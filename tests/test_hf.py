@@ -255,6 +255,29 @@ def test_state_dict_and_save_pretrained_are_unaffected(tmp_path):
     assert "recompute_intervals" not in model.model.layers[0].__dict__
 
 
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+@pytest.mark.parametrize("config", ["matmuls", OFFLOAD], ids=["matmuls", "offload"])
+def test_torch_save_of_a_planned_hf_model_loads_it_declared_without_the_plan(kind, config, tmp_path):
+    model, make_batch = hf.reference_model(kind, "tiny", layers=2)
+    batch = make_batch(0)
+    baseline, _ = _step_batch(copy.deepcopy(model), batch)
+    actplan.apply(model, config)
+    _step_batch(model, batch)  # the learning call, so the runtime state is populated
+    torch.save(model, tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+
+    # The declaration (marker hooks, units) comes back; the plan does not.
+    assert hf.is_declared(loaded) and actplan.installed_plan(loaded) is None
+    assert actplan.offload_engine(loaded) is None
+    assert compare_steps(baseline, _step_batch(loaded, batch)[0]).ok
+    actplan.apply(loaded, config)
+    for _ in range(2):
+        assert compare_steps(baseline, _step_batch(loaded, batch)[0]).ok
+    actplan.remove(loaded)
+    assert not hf.is_declared(loaded)
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in loaded.modules())
+
+
 def test_the_kv_cache_is_turned_off_while_a_plan_is_installed():
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**SHAPES, "use_cache": True})).train()

@@ -21,6 +21,7 @@ is never imported here, except by ``reference_model``.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -286,16 +287,17 @@ class _AfterProjections:
         self.emitted = False
 
     def projection_hook(self, name: str) -> Callable[..., None]:
-        def hook(*_: Any) -> None:
-            if name in self.seen:  # a new call of the attention (or a replay) began
-                self.seen.clear()
-                self.emitted = False
-            self.seen.add(name)
-            if not self.emitted and len(self.seen) == self.count:
-                self.emitted = True
-                checkpoint_record(self.marker)
+        # A partial of a method, not a closure: a pickled model keeps its hooks.
+        return functools.partial(self.projection_ran, name)
 
-        return hook
+    def projection_ran(self, name: str, *_: Any) -> None:
+        if name in self.seen:  # a new call of the attention (or a replay) began
+            self.seen.clear()
+            self.emitted = False
+        self.seen.add(name)
+        if not self.emitted and len(self.seen) == self.count:
+            self.emitted = True
+            checkpoint_record(self.marker)
 
     def before_end(self, *_: Any) -> None:
         if not self.emitted:
@@ -304,20 +306,29 @@ class _AfterProjections:
         self.emitted = False
 
 
-def _mark(marker: str) -> Callable[..., None]:
-    def hook(*_: Any) -> None:
-        checkpoint_record(marker)
+class _Mark:
+    """A module hook that records one marker; a class (not a closure) so that
+    ``torch.save(model)`` pickles a declared model, hooks and all."""
 
-    return hook
+    __slots__ = ("marker",)
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __call__(self, *_: Any) -> None:
+        checkpoint_record(self.marker)
+
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        return (_Mark, (self.marker,))
 
 
 def _install_hooks(layer: nn.Module, interval_map: RecomputeIntervalMap, handles: list[Any]) -> None:
     markers = interval_map.markers
     for name, sub in layer.named_modules():
         if f"{name}:enter" in markers:
-            handles.append(sub.register_forward_pre_hook(_mark(f"{name}:enter")))
+            handles.append(sub.register_forward_pre_hook(_Mark(f"{name}:enter")))
         if f"{name}:exit" in markers:
-            handles.append(sub.register_forward_hook(_mark(f"{name}:exit")))
+            handles.append(sub.register_forward_hook(_Mark(f"{name}:exit")))
     projected = sorted(m for m in markers if m.endswith(f":{PROJECTED}"))
     for marker in projected:
         attention = marker.rpartition(":")[0]

@@ -77,4 +77,4 @@ def cast_floating(model: nn.Module, dtype: torch.dtype) -> None:
 
 def batch_on(bundle: ModelBundle, device: torch.device, seed: int = 0) -> dict[str, Any]:
     """One training batch of ``bundle`` on ``device``."""
-    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in bundle.make_batch(seed).items()}
+    return bundle.batch(seed, device)

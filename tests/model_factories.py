@@ -65,5 +65,42 @@ def noisy():
     return model, make_batch
 
 
+def with_flags():
+    """A batch that carries non-tensor keyword arguments beside its tensors, as Hugging Face
+    batches do (``return_dict``, ``use_cache``)."""
+    torch.manual_seed(0)
+    model = NoisyModel()
+    model.layers = nn.ModuleList(FlagBlock(16) for _ in range(3))
+
+    def make_batch(seed: int) -> dict:
+        gen = torch.Generator().manual_seed(seed)
+        return {"x": torch.randn(4, 16, generator=gen), "target": torch.randn(4, 16, generator=gen), "scale": 0.5}
+
+    return FlaggedModel(model), make_batch
+
+
+class FlagBlock(nn.Module):
+    recompute_intervals = RecomputeIntervalMap({"mlp_up": MarkerInterval("up", "up_end")})
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        checkpoint_record("up")
+        h = self.up(x)
+        checkpoint_record("up_end")
+        return x + torch.tanh(h)
+
+
+class FlaggedModel(nn.Module):
+    def __init__(self, inner: NoisyModel) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor, scale: float) -> torch.Tensor:
+        return self.inner(x * scale, target)
+
+
 def broken():
     raise KeyError("no such checkpoint")

@@ -134,6 +134,16 @@ def test_unknown_preset_is_an_error(capsys):
     assert "matmul" in capsys.readouterr().out
 
 
+def test_bench_passes_non_tensor_batch_values_through(tmp_path, capsys):
+    # The batch holds a float beside its tensors; only tensors are moved to the device.
+    out = tmp_path / "flags.json"
+    argv = ["bench", "--model", "model_factories:with_flags", "--policies", "none,full", "--repeats", "2",
+            "--warmup", "1", "--overhead-repeats", "2", "--quiet", "--json", str(out)]
+    assert main(argv) == 0
+    rows = {row["name"]: row for row in json.loads(out.read_text())["rows"]}
+    assert rows["full"]["loss_identical"] and rows["full"]["max_abs_grad_diff"] == 0
+
+
 def test_a_factory_that_raises_is_named_in_the_error():
     from actplan.models import load_model
 

@@ -436,7 +436,7 @@ def run_bench(
         reference = False
     else:
         bundle = load_model(model, size)
-    batch = {k: v.to(dev) for k, v in bundle.make_batch(rank).items()}
+    batch = bundle.batch(rank, dev)
     entries: list[tuple[str, Installer]] = [("none", config_installer(RecomputeConfig.from_preset("none")))]
     entries += [(p, config_installer(policy_config(p))) for p in policies if p != "none"]
     entries += [(Path(c).stem, config_installer(RecomputeConfig.from_file(c))) for c in configs]

@@ -93,7 +93,7 @@ def measure_config(
 ) -> MeasuredRun:
     """Peak bytes of one AdamW step under ``config`` (memory meter) and its step time against
     ``none``, interleaved."""
-    batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in bundle.make_batch(0).items()}
+    batch = bundle.batch(0, device)
     runs = {}
     losses = {}
     peak = 0

@@ -566,6 +566,18 @@ class RecomputeConfig(RecomputeChoice):
     # Saved tensors moved to host memory (see OffloadConfig); None: nothing is offloaded.
     offload: OffloadConfig | None = None
 
+    @field_validator("save_collectives", mode="before")
+    @classmethod
+    def _save_collectives_form(cls, value: Any) -> Any:
+        # Checked here so the error names the choices, not pydantic's union members.
+        if isinstance(value, bool) or value == "auto":
+            return value
+        raise ConfigError(
+            f"expected true, false or 'auto', got {value!r}; 'auto' (the "
+            "default) saves routing and collective outputs in selective layers and in full layers "
+            "that declare routing units"
+        )
+
     @model_validator(mode="after")
     def _reject_layers_without_effect(self) -> RecomputeConfig:
         if self.save_collectives != "auto" and self.mode == "none" and not self.overrides:

@@ -598,7 +598,7 @@ def profile_model(
     say = progress or (lambda label: None)
     key = cache_key(bundle, spec, device, min_bytes, bandwidth)
     model = copy.deepcopy(bundle.model).to(device)
-    batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in bundle.make_batch(0).items()}
+    batch = bundle.batch(0, device)
     layers = find_layers(model)
     if not layers:
         raise ValueError(

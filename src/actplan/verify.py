@@ -255,9 +255,7 @@ def verify(
     }
     verdicts = []
     for step in range(steps):
-        batch = {
-            k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in bundle.make_batch(step).items()
-        }
+        batch = bundle.batch(step, device)
         captures = []
         for model in (baseline, candidate):
             torch.manual_seed(1000 + step)

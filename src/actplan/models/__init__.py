@@ -14,6 +14,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
+from typing import Any
 
 import torch
 from torch import nn
@@ -28,8 +29,16 @@ class ModelBundle:
     name: str
     size: str
     model: nn.Module
-    make_batch: Callable[[int], dict[str, torch.Tensor]]
+    make_batch: Callable[[int], dict[str, Any]]
     description: str
+
+    def batch(self, seed: int = 0, device: torch.device | str | None = None) -> dict[str, Any]:
+        """``make_batch(seed)`` with its tensors moved to ``device``; other values (flags,
+        lists, a cache object) are passed through as they are."""
+        made = self.make_batch(seed)
+        if device is None:
+            return made
+        return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in made.items()}
 
     def activation_floor_bytes(self, batch: dict[str, torch.Tensor]) -> int | None:
         floor = getattr(self.model, "activation_floor_bytes", None)

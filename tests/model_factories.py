@@ -74,7 +74,8 @@ def with_flags():
 
     def make_batch(seed: int) -> dict:
         gen = torch.Generator().manual_seed(seed)
-        return {"x": torch.randn(4, 16, generator=gen), "target": torch.randn(4, 16, generator=gen), "scale": 0.5}
+        x, target = torch.randn(4, 16, generator=gen), torch.randn(4, 16, generator=gen)
+        return {"x": x, "target": target, "scale": 0.5}
 
     return FlaggedModel(model), make_batch
 

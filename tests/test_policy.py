@@ -155,6 +155,27 @@ def test_routing_collective_and_device_to_host_ops_are_always_saved():
     assert opted_out.decide(ctx, aten.topk.default) is CheckpointPolicy.PREFER_RECOMPUTE
 
 
+@pytest.mark.parametrize("keep", [["moe_router"], []])
+def test_an_in_place_change_of_a_saved_routing_output_names_save_collectives(keep):
+    # A compiled layer's region sees the write: routing outputs are saved whatever is kept, so
+    # the fix offered must be save_collectives: false (with the unit not kept), kept router or not.
+    imap = RecomputeIntervalMap({"moe_router": MarkerInterval("r", "e"), "mlp_up": MarkerInterval("e", "f")})
+    region = _Region(IntervalPolicy(imap, imap.intervals_of(keep), layer_name="L"))
+    aten = torch.ops.aten
+    values, ids = torch.rand(5, 2), torch.zeros(5, 2, dtype=torch.long)
+    ctx = SelectiveCheckpointContext(is_recompute=False)
+    region.decide(ctx, MARKER_OP, "r")
+    ctx.op_output = (values, ids)
+    assert region.decide(ctx, aten.topk.default) is CheckpointPolicy.MUST_SAVE
+    ctx.op_output = None
+    region.decide(ctx, MARKER_OP, "e")
+    with pytest.raises(KeptTensorMutatedError) as err:
+        region.decide(ctx, aten.add_.Tensor, ids, 1)
+    message = str(err.value)
+    assert "aten.topk" in message and "out-of-place" in message
+    assert "set save_collectives: false and do not keep" in message
+
+
 def test_random_and_view_ops_replay_even_when_kept():
     region = _Region(IntervalPolicy(IMAP, IMAP.intervals_of(["qkv_proj"]), layer_name="L"))
     ctx = SelectiveCheckpointContext(is_recompute=False)

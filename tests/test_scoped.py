@@ -289,6 +289,18 @@ def test_routing_inside_a_kept_unit_never_reruns_and_parameters_are_free_inputs(
     assert policy.held_reports()["L"].held == {interval: 5 * 8 * 4}  # h only; x * scale reruns
 
 
+def test_mutation_messages_offer_only_fixes_that_work():
+    from actplan.region import mutation_error
+
+    kept = "interval [a, b) of unit 'mlp_up'"
+    plain = str(mutation_error("L", "aten.add_", "aten.mm", kept))
+    assert "do not keep that unit" in plain and "save_collectives" not in plain
+    routed = str(mutation_error("L", "aten.add_", "aten.topk", kept, routing=True))
+    assert "save_collectives: false and do not keep that unit" in routed
+    seen_late = str(mutation_error("L", None, "aten.topk", None, routing=True))
+    assert "was changed in place after the forward" in seen_late and "save_collectives: false" in seen_late
+
+
 class ReadAfterLastSave(nn.Module):
     """A kept GEMM's output read by a rerun in-place add after the last saved tensor."""
 

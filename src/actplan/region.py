@@ -40,24 +40,41 @@ class KeptTensorMutatedError(RuntimeError):
     """An in-place op modified a tensor the selective policy had already saved."""
 
 
-def mutation_error(layer_name: str, func: Any, producer_op: Any, kept: str | None) -> KeptTensorMutatedError:
-    """The error for an in-place op (``func``) that changed a saved output of ``producer_op``;
-    ``kept`` describes the kept interval that holds it, ``None`` for routing/collective outputs."""
-    if kept is None:
-        return KeptTensorMutatedError(
-            f"{layer_name}: in-place op {func} modifies the output of {producer_op}, a "
-            "routing or collective op whose outputs are always saved (so recompute never "
-            "re-routes or re-communicates); backward would read a stale copy. Write that "
-            "update out-of-place, e.g. `order = order + 1` instead of `order += 1`; or, for code "
-            "you cannot change, set save_collectives: false and do not keep the unit it runs in "
-            "(routing ops are then recomputed, exact when they are deterministic: check with "
-            "actplan verify)."
+def mutation_error(
+    layer_name: str, func: Any, producer_op: Any, kept: str | None, routing: bool = False
+) -> KeptTensorMutatedError:
+    """The error for an in-place op (``func``; ``None`` when the change is only seen in backward)
+    that changed a saved output of ``producer_op``. ``kept`` describes the kept interval that
+    holds it (``None``: held because it is a routing or collective output); ``routing``: the
+    producer is a routing or collective op, saved whatever the plan while save_collectives is on."""
+    if func is None:
+        holder = "a routing or collective output" if kept is None else f"held for backward by the kept {kept}"
+        head = (
+            f"{layer_name}: an output of {producer_op}, {holder}, was changed in place after the "
+            "forward computed it; backward would read the changed values."
         )
-    return KeptTensorMutatedError(
-        f"{layer_name}: in-place op {func} modifies the output of {producer_op}, which "
-        f"the kept {kept} holds for backward; backward would read a stale copy. Write that "
-        "update out-of-place, or do not keep that unit."
-    )
+    elif kept is None:
+        head = (
+            f"{layer_name}: in-place op {func} modifies the output of {producer_op}, a routing or "
+            "collective op whose outputs are always saved (so recompute never re-routes or "
+            "re-communicates); backward would read a stale copy."
+        )
+    else:
+        head = (
+            f"{layer_name}: in-place op {func} modifies the output of {producer_op}, which the kept "
+            f"{kept} holds for backward; backward would read a stale copy."
+        )
+    fixes = ["write that update out-of-place (e.g. `order = order + 1` instead of `order += 1`)"]
+    if routing or kept is None:
+        # Saved because it routes: not keeping the unit alone would change nothing.
+        unit = "do not keep the unit it runs in" if kept is None else "do not keep that unit"
+        fixes.append(
+            f"for code you cannot change, set save_collectives: false and {unit} (routing ops are "
+            "then recomputed, exact when they are deterministic: check with actplan verify)"
+        )
+    else:
+        fixes.append("do not keep that unit")
+    return KeptTensorMutatedError(f"{head} Fix: {'; or '.join(fixes)}.")
 
 
 class MarkerState:
@@ -202,7 +219,8 @@ class TracedRegion(MarkerState):
                 continue
             producer_op, interval = producer
             kept = None if interval is None else self.policy.describe(interval)
-            raise mutation_error(self.layer_name, func, producer_op, kept)
+            routing = self.policy.save_collectives and op_traits(producer_op).always_saved
+            raise mutation_error(self.layer_name, func, producer_op, kept, routing)
 
     def _replay(self, func) -> CheckpointPolicy:
         if self.log is None:

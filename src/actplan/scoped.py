@@ -575,7 +575,7 @@ class ScopedRegion(MarkerState):
 
     def _mutation(self, held: HeldOutput) -> KeptTensorMutatedError:
         kept = None if held.interval is None else self.policy.describe(held.interval)
-        return mutation_error(self.layer_name, held.mutated_by, held.producer, kept)
+        return mutation_error(self.layer_name, held.mutated_by, held.producer, kept, held.routing)
 
     def _end_forward(self) -> None:
         self._sweep(closing=False)
@@ -677,16 +677,8 @@ class ScopedRegion(MarkerState):
             self.placeholders.append(key)
             return placeholder
         if not leaf.offloaded and value._version != leaf.version:
-            what = (
-                "a routing or collective output held for backward,"
-                if leaf.interval is None
-                else f"held for backward by the kept {self.policy.describe(leaf.interval)},"
-            )
-            raise KeptTensorMutatedError(
-                f"{self.layer_name}: an output of {leaf.producer}, {what} "
-                "was changed in place after the forward computed it; backward "
-                "would read the changed values. Write that update out-of-place, or do not keep that unit."
-            )
+            kept = None if leaf.interval is None else self.policy.describe(leaf.interval)
+            raise mutation_error(self.layer_name, None, leaf.producer, kept, leaf.routing)
         leaf.value = None  # handed to backward once
         return value
 

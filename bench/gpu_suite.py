@@ -787,7 +787,7 @@ def stage_plan(ctx: StageContext, report: StageReport) -> None:
         ctx.device,
         cache_dir=ctx.cache_dir,
         repeats=ctx.settings.profile_repeats,
-        progress=lambda s: say("  " + s),
+        progress=lambda s: say(f"  {s}"),
     )
     report.data.update(model=f"{bundle.description}, {spec.dtype}", profile_seconds=profile.seconds_spent)
     report.headline(f"profile: {profile.seconds_spent:.0f} s{' (cached)' if cached else ''}")
@@ -884,7 +884,7 @@ def stage_peers(ctx: StageContext, report: StageReport) -> None:
             ctx.device,
             cache_dir=ctx.cache_dir,
             repeats=ctx.settings.profile_repeats,
-            progress=lambda s: say("  " + s),
+            progress=lambda s: say(f"  {s}"),
         )
         measured = [
             _MeasuredPeak(r["name"], r["peak_bytes"])

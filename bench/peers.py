@@ -451,7 +451,7 @@ def run_model(
 
     progress(f"{model} {size}: profile (cached after the first run)")
     profile, cached = get_profile(
-        bundle, model, device, cache_dir=cache_dir, progress=lambda s: progress("  " + s)
+        bundle, model, device, cache_dir=cache_dir, progress=lambda s: progress(f"  {s}")
     )
     peers = [c for c in contenders if kinds[c.name] in ("peer", "automatic-peer")]
     planned, infeasible = plan_rows(profile, peers)

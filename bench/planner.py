@@ -216,7 +216,7 @@ def run_model(
         device,
         cache_dir=cache_dir,
         refresh=True,
-        progress=lambda s: print("  " + s, file=sys.stderr, flush=True),
+        progress=lambda s: print(f"  {s}", file=sys.stderr, flush=True),
     )
     print(f"  profiled in {profile.seconds_spent:.1f} s", file=sys.stderr, flush=True)
     problem = profile.problem()

@@ -613,3 +613,43 @@ def test_unit_list_of_another_type_asks_for_a_list_of_unit_names():
     ) as info:
         RecomputeConfig.from_dict({"mode": "full", "offload": {"units": 5}})
     assert "tuple" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("suffix", "text", "line", "message"),
+    [
+        (".yaml", "preset: matmuls\noverrides:\n  - layers: '0-9'\n    mode: full\n", 3,
+         "overrides[0].layers: layer index 9 is out of range for a model with 2 layers"),
+        (".yaml", "preset: matmuls\nlayers: [0, 7]\n", 2, "layers: layer index 7 is out of range"),
+        (".yaml", "preset: matmuls\noverrides:\n  - layers: 1\n    keep: [moe_experts]\n", 4,
+         "overrides[0].keep lists unit moe_experts"),
+        (".json", '{"preset": "matmuls",\n "overrides": [\n  {"layers": [5], "mode": "full"}\n ]\n}\n', 3,
+         "overrides[0].layers: layer index 5 is out of range"),
+        (".yaml", "preset: matmuls\noffload:\n  layer_input: true\n  layers: [4]\n", 4,
+         "offload.layers: layer index 4 is out of range"),
+    ],
+)
+def test_errors_found_against_the_model_name_the_file_and_line(tmp_path, suffix, text, line, message):
+    # Layer indices and declared units are checked only when the config meets a model; the
+    # error still says where in the file the field is, as parse errors do.
+    from actplan.apply import plan_for
+    from actplan.models import build_model
+
+    path = tmp_path / f"plan{suffix}"
+    path.write_text(text)
+    config = RecomputeConfig.from_file(path)
+    with pytest.raises(ConfigError) as err:
+        plan_for(build_model("dense", "tiny").model, config)
+    assert str(err.value).startswith(f"in {path} (line {line}): {message}")
+    # A config built in code has no file: the message is unchanged.
+    in_code = RecomputeConfig.from_dict({"layers": [7], "preset": "full"})
+    with pytest.raises(ConfigError) as plain:
+        plan_for(build_model("dense", "tiny").model, in_code)
+    assert str(plain.value).startswith("layers: layer index 7 is out of range")
+
+
+def test_field_paths_parse_back():
+    from actplan.config import format_field_path, parse_field_path
+
+    for loc in (("overrides", 1, "keep", 0), ("offload", "layers"), ("layers",)):
+        assert parse_field_path(format_field_path(loc)) == loc

@@ -436,3 +436,37 @@ def test_marker_error_names_the_failing_layer_when_layers_share_a_policy():
     assert plan.layers[2].name == "layers.2"
     with pytest.raises(MarkerError, match=r"^layers.2 \(Toy\): unbalanced markers"):
         model(torch.randn(2, 8, requires_grad=True))
+
+
+@pytest.mark.parametrize(
+    ("markers", "match"),
+    [
+        (("proj", "act", "proj"), r"^layers.2 \(Toy\): unbalanced markers"),
+        (("proj", "oops", "end"), r"^layers.2 \(Toy\): unknown marker 'oops'"),
+    ],
+)
+def test_wrong_markers_raise_under_full_recompute_too(markers, match):
+    # Full recompute decides nothing by markers; the first eager call still checks them.
+    class Stack(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(Toy() for _ in range(3))
+            self.layers[2].markers = markers
+
+        def forward(self, x):
+            return sum(layer(x) for layer in self.layers)
+
+    import actplan
+
+    model = Stack()
+    actplan.apply(model, "full")
+    with pytest.raises(MarkerError, match=match):
+        model(torch.randn(2, 8, requires_grad=True))
+    # Once a layer's markers have passed, its later calls are not checked again: no cost.
+    healthy = Stack()
+    healthy.layers[2].markers = ("proj", "act", "end")
+    actplan.apply(healthy, "full")
+    for _ in range(2):
+        healthy(torch.randn(2, 8, requires_grad=True)).backward()
+    states = [actplan.boundary.checkpoint_state(m) for _, m in actplan.find_layers(healthy)]
+    assert all(state.marker_check is None for state in states)

@@ -167,7 +167,13 @@ def apply(
         name = f"{layer_plan.name} ({layer_plan.class_name})"
         if layer_plan.checkpointed:
             policy = policies.get(_policy_key(layer_plan, module))
-            apply_gradient_checkpointing(module, policy=policy, owner=layer_plan, name=name)
+            check = None
+            if policy is None and (interval_map := interval_map_of(module)) is not None:
+                # Full recompute decides nothing by markers, but wrong ones are still an error.
+                check = IntervalPolicy(interval_map, (), layer_name=name).marker_checker
+            apply_gradient_checkpointing(
+                module, policy=policy, owner=layer_plan, name=name, marker_check=check
+            )
         if layer_plan.offloads:
             # Kept units of a selective layer move through its policy; this wrapper owns the
             # layer's group, its input, and the units of a layer that is not checkpointed.

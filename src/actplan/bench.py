@@ -13,7 +13,6 @@ import json
 import platform
 import sys
 import time
-import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -38,7 +37,9 @@ from actplan.measure import (
     ratio,
 )
 from actplan.models import ModelBundle, build_model, load_model
+from actplan.offload import quiet_empty_offload
 from actplan.policy import IntervalPolicy
+from actplan.progress import ProgressCallback, ProgressTracker
 from actplan.units import MarkerInterval, RecomputeIntervalMap
 
 OFFLOAD_VARIANTS: dict[str, dict[str, Any]] = {
@@ -51,7 +52,6 @@ OFFLOAD_VARIANTS: dict[str, dict[str, Any]] = {
 GOAL_SIZE = "small"
 """The model size the performance goals (``evaluate_goals``) are set for; other sizes get none."""
 
-_EMPTY_OFFLOAD_WARNING = r".*offload of .* moved nothing in this call"
 """The offload engine's warning for a layer with nothing above ``min_bytes``: expected, not
 news, for the bench's own offload rows on a small model."""
 
@@ -299,8 +299,7 @@ def _train_step(
     capture: bool = False,
 ) -> StepCapture | None:
     if contender.quiet_offload:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=_EMPTY_OFFLOAD_WARNING, category=UserWarning)
+        with quiet_empty_offload():
             return _plain_train_step(contender, batch, seed, meter=meter, capture=capture)
     return _plain_train_step(contender, batch, seed, meter=meter, capture=capture)
 
@@ -412,10 +411,11 @@ def run_bench(
     device: str = "auto",
     reference: bool = True,
     ep: int = 1,
-    progress: Callable[[str, int], None] | None = None,
+    progress: ProgressCallback | None = None,
     command: str | None = None,
 ) -> BenchResult:
-    """Run the bench; ``progress(label, steps_total)`` is called once per unit of work.
+    """Run the bench; ``progress`` receives a ``ProgressEvent`` per unit of work (default: the
+    ``actplan`` logger at INFO).
 
     ``overhead_repeats`` extra rounds time only ``full`` against the plain
     ``torch.utils.checkpoint`` row: the two do identical work, so their ratio
@@ -452,7 +452,7 @@ def run_bench(
         )
     measure_overhead = reference and "full" in policies and overhead_repeats > 0
     total = len(entries) * (2 + warmup + repeats) + (2 * overhead_repeats if measure_overhead else 0)
-    tick = progress or (lambda label, total: None)
+    tracker = ProgressTracker(progress, total=total, prefix="bench: ")
 
     # The offload rows the bench adds itself may move nothing on a small model (every tensor
     # below the default min_bytes): the engine's warning for that is for users' configs only.
@@ -462,14 +462,13 @@ def run_bench(
         contenders.append(
             prepare_contender(bundle, name, install, batch, dev, quiet_offload=name in own_offload_rows)
         )
-        tick(f"parity {name}", total)
-        tick(f"memory {name}", total)
+        tracker.step(f"parity and memory {name}", units=2)
     timings = time_contenders(
         contenders,
         batch,
         repeats=repeats,
         warmup=warmup,
-        progress=lambda label: tick(f"timing {label}", total),
+        progress=lambda label: tracker.step(f"timing {label}"),
     )
     rows = policy_rows(contenders, timings)
     if ep > 1:
@@ -484,7 +483,7 @@ def run_bench(
             },
             repeats=overhead_repeats,
             warmup=0,
-            progress=lambda label: tick(f"overhead {label}", total),
+            progress=lambda label: tracker.step(f"overhead {label}"),
         )
         pooled = {
             name: TimingStats.from_samples(timings[name].samples + focused[name].samples)

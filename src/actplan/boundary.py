@@ -117,6 +117,9 @@ class CheckpointState(RuntimeOnly):
     # Verification hook (``actplan verify``): called with "forward" or "recompute", it returns
     # a context manager entered around each run of the layer's own forward.
     observer: Callable[[str], Any] | None = None
+    # A fully recomputed layer's marker check (``marker_check``): run on its first eager
+    # call with gradients, then dropped, so later calls cost nothing.
+    marker_check: Callable[[str | None], Callable[[str], None]] | None = None
 
 
 def _needs_grad(module: nn.Module, args: tuple, kwargs: dict) -> bool:
@@ -137,6 +140,18 @@ def _run_with_markers(
     with routing_markers(sink):
         out = forward(*args, **kwargs)
         checkpoint_record(LAYER_END)
+    return out
+
+
+def _first_call_checked(
+    state: CheckpointState, forward: Callable[..., Any], *args: Any, **kwargs: Any
+) -> Any:
+    # The forward (not the replay, which runs the same markers) checks the layer's markers once.
+    check = state.marker_check
+    if check is None or torch._C._current_graph_task_id() != -1:
+        return forward(*args, **kwargs)
+    out = _run_with_markers(check(state.name), forward, *args, **kwargs)
+    state.marker_check = None
     return out
 
 
@@ -192,6 +207,8 @@ def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         if state.context_fn is not None:
             options["context_fn"] = state.context_fn
         run = inner
+        if state.marker_check is not None and not torch.compiler.is_compiling():
+            run = functools.partial(_first_call_checked, state, inner)
     if not kwargs:
         return checkpoint(run, *args, **options)
     # Keyword tensors travel as positional ones: checkpoint then saves them as saved tensors
@@ -210,6 +227,7 @@ def apply_gradient_checkpointing(
     determinism_check: str = "default",
     owner: Any = None,
     name: str | None = None,
+    marker_check: Callable[[str | None], Callable[[str], None]] | None = None,
 ) -> nn.Module:
     """Checkpoint ``module``'s forward with ``torch.utils.checkpoint(use_reentrant=False)``.
 
@@ -228,6 +246,9 @@ def apply_gradient_checkpointing(
         owner: opaque data stored with the wrapper (``actplan.apply`` stores the
             layer's plan here so ``explain`` and ``remove`` can find it).
         name: how marker errors name this module (default: the policy's name).
+        marker_check: without a ``policy``, a factory of marker sinks (such as
+            ``IntervalPolicy.marker_checker``) that check the layer's markers on its first
+            eager call with gradients, so unbalanced markers raise under full recompute too.
 
     A module whose parameters are all frozen, called with inputs that need no
     gradient, runs without checkpointing (no replay, detached outputs).
@@ -237,6 +258,8 @@ def apply_gradient_checkpointing(
         raise TypeError(f"apply_gradient_checkpointing expects an nn.Module, got {type(module).__name__}")
     if context_fn is not None and policy is not None:
         raise ValueError("give either context_fn or policy, not both: a policy brings its own context_fn")
+    if marker_check is not None and policy is not None:
+        raise ValueError("give marker_check only without a policy: a policy checks the markers itself")
     if is_checkpointed(module):
         raise ValueError(
             f"{type(module).__name__} is already checkpointed by actplan; call "
@@ -255,6 +278,7 @@ def apply_gradient_checkpointing(
             previous_forward=previous,
             owner=owner,
             name=name,
+            marker_check=marker_check,
         ),
     )
     # Not a closure: copy.deepcopy rebinds it to the copy, and pickling drops it.

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import textwrap
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,6 +42,7 @@ from actplan.profile import (
     profile_model,
     store,
 )
+from actplan.progress import ProgressCallback, ProgressTracker
 from actplan.sizes import DEFAULT_OFFLOAD_MIN_BYTES
 
 
@@ -56,7 +56,7 @@ def get_profile(
     repeats: int = 5,
     min_bytes: int = DEFAULT_OFFLOAD_MIN_BYTES,
     bandwidth: float | None = None,
-    progress: Callable[[str], None] | None = None,
+    progress: ProgressCallback | None = None,
 ) -> tuple[ModelProfile, bool]:
     """The cached profile when its key matches (model, shapes, dtype, device, torch version),
     else a fresh one, stored. Returns ``(profile, came_from_cache)``."""
@@ -89,10 +89,17 @@ class MeasuredRun:
 
 
 def measure_config(
-    bundle: ModelBundle, config: RecomputeConfig, device: torch.device, *, repeats: int = 5, warmup: int = 1
+    bundle: ModelBundle,
+    config: RecomputeConfig,
+    device: torch.device,
+    *,
+    repeats: int = 5,
+    warmup: int = 1,
+    progress: ProgressCallback | None = None,
 ) -> MeasuredRun:
     """Peak bytes of one AdamW step under ``config`` (memory meter) and its step time against
-    ``none``, interleaved."""
+    ``none``, interleaved; ``progress`` receives a ``ProgressEvent`` per step run."""
+    tracker = ProgressTracker(progress, total=3 + 2 * (warmup + repeats), prefix="running the plan: ")
     batch = bundle.batch(0, device)
     runs = {}
     losses = {}
@@ -115,12 +122,16 @@ def measure_config(
 
         # Same initial weights: the first step's losses must agree bit for bit.
         losses[name] = step()
+        tracker.step(f"first step {name}")
         if name == "plan":
             with MemoryMeter(model, optimizer) as meter:
                 step()
             peak = meter.report().peak_bytes
+            tracker.step("metered step")
         runs[name] = step
-    timings = interleaved_timing(runs, repeats=repeats, warmup=warmup)
+    timings = interleaved_timing(
+        runs, repeats=repeats, warmup=warmup, progress=lambda name: tracker.step(f"timing {name}")
+    )
     rel = ratio(timings["plan"], timings["none"])
     return MeasuredRun(
         peak_bytes=peak,
@@ -284,7 +295,7 @@ def plan_under_budget(
     repeats: int = 5,
     min_bytes: int = DEFAULT_OFFLOAD_MIN_BYTES,
     bandwidth: float | None = None,
-    progress: Callable[[str], None] | None = None,
+    progress: ProgressCallback | None = None,
 ) -> BudgetPlanResult:
     """Profile (or reuse the cache), solve for ``budget``, write the plan, run and check it."""
     profile, from_cache = get_profile(
@@ -329,9 +340,7 @@ def plan_under_budget(
     predicted_ratio = solution.predicted_seconds / profile.base_seconds
     measured = error = None
     if run:
-        if progress:
-            progress("running the plan")
-        result = measure_config(bundle, config, device, repeats=repeats)
+        result = measure_config(bundle, config, device, repeats=repeats, progress=progress)
         measured = asdict(result)
         error = {
             "peak": (solution.predicted_peak_bytes - result.peak_bytes) / result.peak_bytes,

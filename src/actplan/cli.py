@@ -7,12 +7,21 @@ Top of the import picture: it may use everything, nothing imports it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    Progress,
+    TaskProgressColumn,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 from rich.table import Table
 
 from actplan.bench import (
@@ -28,6 +37,7 @@ from actplan.bench import (
 from actplan.config import PRESETS, ConfigError
 from actplan.integrations import hf
 from actplan.models import MODELS, ModelBundle
+from actplan.progress import PlainLines, ProgressCallback, ProgressEvent
 
 
 def _bench(args: argparse.Namespace, console: Console) -> int:
@@ -69,20 +79,7 @@ def _bench_expert_parallel(args: argparse.Namespace, console: Console) -> int:
 
 def _run_and_report(args: argparse.Namespace, console: Console) -> int:
     policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
-    with Progress(
-        TextColumn("[bold]{task.description:<32}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=console,
-        transient=True,
-        disable=args.quiet,
-    ) as bar:
-        task = bar.add_task("building", total=None)
-
-        def tick(label: str, total: int) -> None:
-            bar.update(task, total=total, advance=1, description=label)
-
+    with _progress(console, args.quiet, "building") as progress:
         result = run_bench(
             args.model,
             args.size,
@@ -94,7 +91,7 @@ def _run_and_report(args: argparse.Namespace, console: Console) -> int:
             device=args.device,
             reference=not args.no_reference,
             ep=args.ep,
-            progress=tick,
+            progress=progress,
             command="actplan " + " ".join(sys.argv[1:]) if sys.argv[1:] else "actplan bench",
         )
     console.print(bench_table(result))
@@ -281,14 +278,33 @@ def _units(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
-def _progress_bar(console: Console, quiet: bool) -> Progress:
-    return Progress(
-        TextColumn("[bold]{task.description:<40}"),
+@contextlib.contextmanager
+def _progress(console: Console, quiet: bool, starting: str) -> Iterator[ProgressCallback]:
+    """A ``progress=`` callback for the API's long calls: on a terminal a bar with stage,
+    percentage, elapsed time and time left; otherwise (CI logs, pipes) one plain line per
+    event on stderr, so stdout keeps only the results; nothing with ``--quiet``."""
+    if quiet:
+        yield lambda event: None
+        return
+    if not console.is_terminal:
+        yield PlainLines(lambda line: print(line, file=sys.stderr, flush=True))
+        return
+    with Progress(
+        TextColumn("[bold]{task.description:<44}"),
+        BarColumn(),
+        TaskProgressColumn(),
         TimeElapsedColumn(),
+        TextColumn("left"),
+        TimeRemainingColumn(),
         console=console,
         transient=True,
-        disable=quiet,
-    )
+    ) as bar:
+        task = bar.add_task(starting, total=None)
+
+        def update(event: ProgressEvent) -> None:
+            bar.update(task, total=event.total, completed=event.done, description=event.stage)
+
+        yield update
 
 
 def _profile_inputs(args: argparse.Namespace):
@@ -335,10 +351,9 @@ def _profile(args: argparse.Namespace, console: Console) -> int:
     from actplan.budget import get_profile
 
     bundle, device, options = _profile_inputs(args)
-    with _progress_bar(console, args.quiet) as bar:
-        task = bar.add_task("profiling", total=None)
+    with _progress(console, args.quiet, "profiling") as progress:
         profile, cached = get_profile(
-            bundle, args.model, device, **options, progress=lambda label: bar.update(task, description=label)
+            bundle, args.model, device, **options, progress=progress
         )
     console.print(profile_table(profile))
     console.print(
@@ -365,8 +380,7 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
         return _sweep(args, console)
     parse_budget(args.budget, none_peak_bytes=1.0)  # a malformed budget fails before any work
     bundle, device, options = _profile_inputs(args)
-    with _progress_bar(console, args.quiet) as bar:
-        task = bar.add_task("profiling", total=None)
+    with _progress(console, args.quiet, "profiling") as progress:
         result = plan_under_budget(
             bundle,
             args.model,
@@ -376,7 +390,7 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
             plot=args.plot or None,
             run=not args.no_run,
             **options,
-            progress=lambda label: bar.update(task, description=label),
+            progress=progress,
         )
     solution = result.solution
     for note in result.notes:
@@ -427,10 +441,9 @@ def _sweep(args: argparse.Namespace, console: Console) -> int:
     if args.out or args.no_run:
         raise ValueError("--sweep writes no plan and runs nothing: drop --out and --no-run")
     bundle, device, options = _profile_inputs(args)
-    with _progress_bar(console, args.quiet) as bar:
-        task = bar.add_task("profiling", total=None)
+    with _progress(console, args.quiet, "profiling") as progress:
         profile, _ = get_profile(
-            bundle, args.model, device, **options, progress=lambda label: bar.update(task, description=label)
+            bundle, args.model, device, **options, progress=progress
         )
     solutions = pareto_front(profile.problem())
     front = sweep(profile, solutions)
@@ -469,8 +482,7 @@ def _verify(args: argparse.Namespace, console: Console) -> int:
     from actplan.verify import verify
 
     bundle = load_model(args.model, args.size)
-    with _progress_bar(console, args.quiet) as bar:
-        task = bar.add_task("verifying", total=None)
+    with _progress(console, args.quiet, "verifying") as progress:
         report = verify(
             bundle,
             args.config,
@@ -478,7 +490,7 @@ def _verify(args: argparse.Namespace, console: Console) -> int:
             device=_device(args.device),
             atol=args.atol,
             check_recompute=args.check_recompute,
-            progress=lambda label: bar.update(task, description=label),
+            progress=progress,
         )
     table = Table(title=f"verify {args.config} on {report.model}")
     for column in ("step", "loss (no checkpointing)", "loss (plan)", "max |Δgrad|", "grad census", "routing"):

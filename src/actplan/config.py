@@ -19,6 +19,7 @@ from pydantic import (
     BaseModel,
     BeforeValidator,
     ConfigDict,
+    PrivateAttr,
     RootModel,
     ValidationError,
     field_validator,
@@ -565,6 +566,8 @@ class RecomputeConfig(RecomputeChoice):
     save_collectives: bool | Literal["auto"] = "auto"
     # Saved tensors moved to host memory (see OffloadConfig); None: nothing is offloaded.
     offload: OffloadConfig | None = None
+    # Where the config was read from: (source, text) for errors found when it meets a model.
+    _origin: tuple[str, str | None] | None = PrivateAttr(default=None)
 
     @field_validator("save_collectives", mode="before")
     @classmethod
@@ -630,7 +633,7 @@ class RecomputeConfig(RecomputeChoice):
                 f"malformed JSON in {source}, line {err.lineno}, column {err.colno}: {err.msg}; "
                 "fix the syntax there"
             ) from None
-        return cls._validate(data, source, yaml_text=None)
+        return cls._validate(data, source, yaml_text=None, text=text)
 
     @classmethod
     def from_file(cls, path: str | Path) -> RecomputeConfig:
@@ -692,7 +695,9 @@ class RecomputeConfig(RecomputeChoice):
         )
 
     @classmethod
-    def _validate(cls, data: Any, source: str | None, yaml_text: str | None) -> RecomputeConfig:
+    def _validate(
+        cls, data: Any, source: str | None, yaml_text: str | None, text: str | None = None
+    ) -> RecomputeConfig:
         where = f" in {source}" if source else ""
         if data is None:
             raise ConfigError(f"recompute config{where} is empty; write at least `mode: full` or a preset")
@@ -702,9 +707,34 @@ class RecomputeConfig(RecomputeChoice):
                 f"got {type(data).__name__}; for a preset alone write `preset: <name>`"
             )
         try:
-            return cls.model_validate(data)
+            config = cls.model_validate(data)
         except ValidationError as err:
             raise ConfigError(format_validation_error(err, source, yaml_text)) from None
+        if source is not None:
+            config._origin = (source, yaml_text if yaml_text is not None else text)
+        return config
+
+    def __eq__(self, other: object) -> bool:
+        # Equal configs are equal wherever they were read from (the origin is for errors only).
+        if type(other) is not type(self):
+            return NotImplemented
+        return self.__dict__ == other.__dict__
+
+    __hash__ = RecomputeChoice.__hash__
+
+    def located(self, err: ConfigError) -> ConfigError:
+        """``err``, found when this config met a model (a layer index out of range, a unit a
+        layer does not declare), naming the file and the line of the field it starts with."""
+        if self._origin is None:
+            return err
+        source, text = self._origin
+        message = str(err)
+        path = _FIELD_AT_START.match(message)
+        loc = parse_field_path(path.group(1)) if path else ()
+        named = bool(loc) and loc[0] in type(self).model_fields
+        line = _yaml_line(text, loc) if named and text is not None else None
+        at = f" (line {line})" if line is not None else ""
+        return ConfigError(f"in {source}{at}: {message}")
 
     # -- serialisation ------------------------------------------------------------------
 
@@ -749,6 +779,15 @@ def format_field_path(loc: tuple[int | str, ...]) -> str:
     for part in loc:
         path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
     return path
+
+
+# A message that starts with a field path ("overrides[0].layers: ...", "keep lists ...").
+_FIELD_AT_START = re.compile(r"^([A-Za-z_]+(?:\[\d+\]|\.[A-Za-z_]+)*)[: ]")
+
+
+def parse_field_path(path: str) -> tuple[int | str, ...]:
+    """``'overrides[1].keep[0]'`` -> ``('overrides', 1, 'keep', 0)`` (``format_field_path``'s inverse)."""
+    return tuple(int(part) if part.isdigit() else part for part in re.findall(r"[A-Za-z_]+|\d+", path))
 
 
 def _model_at(loc: tuple[int | str, ...]) -> type[BaseModel]:

@@ -20,11 +20,12 @@ instance-forward helpers both layer wrappers share; plus torch.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import warnings
 import weakref
 from collections import defaultdict, deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -49,6 +50,17 @@ __all__ = [
 ]
 
 _STATE_ATTR = "_actplan_offload"
+_MOVED_NOTHING = "moved nothing in this call"
+
+
+@contextlib.contextmanager
+def quiet_empty_offload() -> Iterator[None]:
+    """Silence the engine's "offload of ... moved nothing" warning inside the block: for
+    offload that actplan itself tries (the bench's offload rows, the profiler's offloaded
+    candidates), where moving nothing is a finding, not the user's mistake."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=f".*offload of .* {_MOVED_NOTHING}", category=UserWarning)
+        yield
 
 
 class OffloadedTensorMutatedError(RuntimeError):
@@ -618,7 +630,7 @@ class OffloadEngine:
         if group.tensors == 0 and group.name not in self._warned_empty:
             self._warned_empty.add(group.name)
             warnings.warn(
-                f"{group.name}: offload of {what} moved nothing in this call (every candidate was "
+                f"{group.name}: offload of {what} {_MOVED_NOTHING} (every candidate was "
                 "a parameter or another leaf that requires grad, a module buffer, or smaller than "
                 f"min_bytes={self.min_bytes:,}); lower offload.min_bytes or drop this layer from offload",
                 stacklevel=3,

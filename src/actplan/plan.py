@@ -140,9 +140,16 @@ def resolve_plan(config: RecomputeConfig, layer_specs: Sequence[LayerSpec]) -> P
     replaces the choice for the layers it selects, later overrides winning. Layers no
     entry selects are not checkpointed. Raises ``ConfigError`` for a model with no
     checkpointable layers, an out-of-range selector, or an explicitly listed unit that a
-    layer it applies to does not declare.
+    layer it applies to does not declare; for a config read from a file, the error names the
+    file and the line of the field.
     """
-    specs = tuple(layer_specs)
+    try:
+        return _resolve_plan(config, tuple(layer_specs))
+    except ConfigError as err:
+        raise config.located(err) from None
+
+
+def _resolve_plan(config: RecomputeConfig, specs: tuple[LayerSpec, ...]) -> Plan:
     if not specs:
         raise ConfigError(
             "the model declares no checkpointable layers; set a `recompute_intervals` class "

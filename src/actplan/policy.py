@@ -26,7 +26,7 @@ from typing import Any
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 from actplan.ops import ROUTING_OPS, UNINITIALIZED_OPS
-from actplan.region import KeptTensorMutatedError, MarkerError, TracedRegion
+from actplan.region import KeptTensorMutatedError, MarkerError, MarkerState, TracedRegion
 from actplan.scoped import HeldReport, LearntLayout, ScopedRegion
 from actplan.units import MarkerInterval, RecomputeIntervalMap
 
@@ -123,6 +123,12 @@ class IntervalPolicy:
         shared); ``layer``, the calling module, keys what is learnt about its path."""
         region = ScopedRegion(self, layer_name, layer)
         return region.contexts, region.on_marker
+
+    def marker_checker(self, layer_name: str | None = None) -> Callable[[str], None]:
+        """A marker sink that only checks one call's markers against the interval map
+        (unknown, unbalanced, wrongly nested: ``MarkerError``) and decides nothing; the
+        boundary runs it on a fully recomputed layer's first eager call."""
+        return MarkerState(self, layer_name).on_marker
 
     def learnt_layout(self, layer: Any) -> LearntLayout | None:
         return self._unkeyed_layout if layer is None else self._layouts.get(layer)

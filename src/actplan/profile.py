@@ -49,8 +49,10 @@ from actplan.config import PRESETS, RecomputeConfig
 from actplan.markers import routing_markers
 from actplan.measure import MemoryMeter, interleaved_timing
 from actplan.models import ModelBundle
+from actplan.offload import quiet_empty_offload
 from actplan.plan import format_indices
 from actplan.planner import Candidate, PlanProblem
+from actplan.progress import ProgressCallback, ProgressTracker
 from actplan.sizes import DEFAULT_OFFLOAD_MIN_BYTES
 
 PROFILE_FORMAT = 5  # 3: chain by unit forward time; 4: boundary grads; 5: per-layer extras
@@ -566,6 +568,16 @@ def _say_for(say: Callable[[str], None], class_name: str, label: str) -> None:
     say(f"{class_name}: {label}")
 
 
+# Progress units of the whole-model part: the none and full steps, then the timing.
+_MODEL_STEPS = 3
+
+
+def layer_type_steps(layer: nn.Module) -> int:
+    """Progress units of profiling one layer type: presets, one greedy step per declared
+    unit, timing, offload."""
+    return len(interval_map_of(layer).units) + 3
+
+
 def _kept_set_name(units: list[str]) -> str:
     return "keep " + "+".join(units) if units else "full"
 
@@ -587,15 +599,17 @@ def profile_model(
     repeats: int = 5,
     min_bytes: int = DEFAULT_OFFLOAD_MIN_BYTES,
     bandwidth: float | None = None,
-    progress: Callable[[str], None] | None = None,
+    progress: ProgressCallback | None = None,
 ) -> ModelProfile:
     """Measure every layer type's candidates and the model's fixed costs (see the module doc).
 
     ``bandwidth`` (bytes/s each way) replaces the measured copy bandwidth in offload's charge.
-    ``progress(label)`` is called as work completes.
+    ``progress`` receives a ``ProgressEvent`` as each stage completes (default: the
+    ``actplan`` logger at INFO).
     """
     started = time.perf_counter()
-    say = progress or (lambda label: None)
+    tracker = ProgressTracker(progress, total=_MODEL_STEPS, prefix="profiling: ")
+    say = tracker.step
     key = cache_key(bundle, spec, device, min_bytes, bandwidth)
     model = copy.deepcopy(bundle.model).to(device)
     batch = bundle.batch(0, device)
@@ -605,6 +619,9 @@ def profile_model(
             f"model {spec!r} declares no checkpointable layers; set `recompute_intervals` on its "
             "layer classes"
         )
+
+    by_class = {type(layer): layer for _, layer in reversed(layers)}
+    tracker.expect(sum(layer_type_steps(layer) for layer in by_class.values()))
 
     # Whole-model figures: fixed costs, step time and peaks of none and full.
     figures = {}
@@ -660,6 +677,11 @@ def profile_model(
     all_grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
 
     captured = _capture_layer_inputs(model, batch)
+    first_of_type = {}
+    for (_, layer), (type_key, _, _) in zip(layers, captured, strict=True):
+        first_of_type.setdefault(type_key, layer)
+    # Now the layer types are known exactly (the estimate went by class).
+    tracker.total = tracker.done + sum(layer_type_steps(layer) for layer in first_of_type.values())
     bw = (
         {"device_to_host": bandwidth, "host_to_device": bandwidth}
         if bandwidth is not None
@@ -747,6 +769,7 @@ def _profile_layer_type(
     overlap: bool,
     say: Callable[[str], None],
 ) -> list[CandidateProfile]:
+    """The layer type's candidates; ``say`` is called ``layer_type_steps(layer)`` times."""
     isolated = _IsolatedLayer(layer, args, kwargs, min_bytes)
     declared = [u.value for u in interval_map_of(layer).units]
     measured: dict[tuple[str, tuple[str, ...]], CandidateProfile] = {}
@@ -776,6 +799,7 @@ def _profile_layer_type(
             kept = [u for u in declared if u not in recomputed]
         if kept:  # a preset with none of its units here is `full` with more overhead
             choose(measure(preset_name, "selective", kept))
+    say("presets")
 
     # Greedy chain from `full`: each step adds the unit that saves the most time per byte
     # kept. Time saved is each unit's own forward time (what the replay no longer reruns),
@@ -816,7 +840,8 @@ def _profile_layer_type(
         variant = CandidateProfile(
             candidate.name + "+offload", candidate.mode, candidate.kept_units, offload=True
         )
-        isolated.measure_memory(variant)
+        with quiet_empty_offload():  # moving nothing here only means the variant is dropped
+            isolated.measure_memory(variant)
         isolated.forget([variant])
         if variant.offloaded_bytes == 0:
             continue  # nothing above min_bytes to move: same as the candidate itself

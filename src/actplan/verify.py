@@ -29,6 +29,7 @@ from actplan.config import RecomputeConfig
 from actplan.measure import capture_step, compare_steps
 from actplan.models import ModelBundle
 from actplan.policy import ROUTING_OPS, UNINITIALIZED_OPS
+from actplan.progress import ProgressCallback, ProgressTracker
 from actplan.scoped import is_placeholder
 
 # Checkpointing itself runs these a different number of times in forward and replay.
@@ -226,7 +227,7 @@ def verify(
     atol: float = 0.0,
     check_recompute: bool = False,
     lr: float = 1e-3,
-    progress: Callable[[str], None] | None = None,
+    progress: ProgressCallback | None = None,
 ) -> VerifyReport:
     """Run ``bundle``'s model without checkpointing and under ``config`` side by side.
 
@@ -238,7 +239,7 @@ def verify(
     if steps < 1:
         raise ValueError(f"steps must be at least 1, got {steps}")
     device = device or torch.device("cpu")
-    say = progress or (lambda label: None)
+    tracker = ProgressTracker(progress, total=steps, prefix="verify: ")
     parsed = RecomputeConfig.parse(config)
     baseline = copy.deepcopy(bundle.model).to(device)
     candidate = copy.deepcopy(bundle.model).to(device)
@@ -288,7 +289,7 @@ def verify(
                 ok=report.ok,
             )
         )
-        say(f"step {step + 1}/{steps}")
+        tracker.step(f"step {step + 1}/{steps}")
     return VerifyReport(
         model=bundle.description,
         config=parsed.to_dict(),

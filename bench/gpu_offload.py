@@ -36,7 +36,7 @@ import torch
 
 import actplan
 from actplan.measure import MemoryMeter, interleaved_timing
-from actplan.profile import copy_bandwidth
+from actplan.planning.profile import copy_bandwidth
 from bench.gpu_models import SCALES, ModelSpec, batch_on
 
 

@@ -62,8 +62,8 @@ if importlib.util.find_spec("actplan") is None and (REPO / "src" / "actplan").is
 
 import torch  # noqa: E402
 
-from actplan.apply import find_layers  # noqa: E402
-from actplan.bench import (  # noqa: E402
+from actplan._install.apply import find_layers  # noqa: E402
+from actplan.evaluate.bench import (  # noqa: E402
     OFFLOAD_VARIANTS,
     TORCH_CHECKPOINT,
     Contender,
@@ -631,7 +631,7 @@ def _junit_cases(path: Path) -> list[dict[str, str]]:
 
 def stage_offload(ctx: StageContext, report: StageReport) -> None:
     """Copy bandwidth, then the layer-input offload figures of ``bench.gpu_offload``."""
-    from actplan.profile import copy_bandwidth
+    from actplan.planning.profile import copy_bandwidth
     from bench import gpu_offload
 
     bandwidth = copy_bandwidth(ctx.device, ctx.settings.bandwidth_bytes, repeats=5)
@@ -774,8 +774,8 @@ def stage_compiled(ctx: StageContext, report: StageReport) -> None:
 def stage_plan(ctx: StageContext, report: StageReport) -> None:
     """``actplan plan`` at two budgets between ``full``'s and ``none``'s peak; the two plans run
     side by side against ``none``."""
-    from actplan.budget import get_profile, plan_under_budget
     from actplan.config import RecomputeConfig
+    from actplan.planning.budget import get_profile, plan_under_budget
 
     spec = ctx.spec("dense")
     bundle = spec.build(ctx.device)
@@ -853,8 +853,8 @@ class _MeasuredPeak:
 
 def stage_peers(ctx: StageContext, report: StageReport) -> None:
     """``bench.peers`` on the device: peers, presets, and plans at each peer's metered peak."""
-    from actplan.budget import get_profile
     from actplan.config import RecomputeConfig
+    from actplan.planning.budget import get_profile
     from bench import peers
 
     if importlib.util.find_spec("torch_remat") is None:

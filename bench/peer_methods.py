@@ -4,7 +4,7 @@ Each ``*_installer(model) -> description`` wraps every decoder layer the way a u
 that tool would, so ``bench.peers`` can run it next to actplan's rows on the same data:
 
 - whole-layer ``torch.utils.checkpoint`` (what Hugging Face and most trainers do) comes
-  from ``actplan.bench``;
+  from ``actplan.evaluate.bench``;
 - op-level selective checkpointing with torchtitan's default save list, re-stated here
   from its documented behaviour (save compute-heavy ops and collectives, and every
   other matmul), for when torchtitan itself does not import;
@@ -34,9 +34,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from actplan.apply import apply, find_layers
-from actplan.bench import checkpoint_every_layer
+from actplan._install.apply import apply, find_layers
 from actplan.config import RecomputeConfig
+from actplan.evaluate.bench import checkpoint_every_layer
 from actplan.models.dense import Attention, SwiGLU, apply_rope, dropout
 from actplan.models.moe import MoE
 

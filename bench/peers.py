@@ -47,8 +47,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from actplan.apply import apply, find_layers, interval_map_of
-from actplan.bench import (
+from actplan._install.apply import apply, find_layers, interval_map_of
+from actplan._install.plan import format_indices
+from actplan.config import RecomputeConfig
+from actplan.evaluate.bench import (
     OFFLOAD_VARIANTS,
     TORCH_CHECKPOINT,
     Contender,
@@ -63,13 +65,11 @@ from actplan.bench import (
     time_contenders,
     torch_checkpoint_installer,
 )
-from actplan.budget import get_profile, pareto_points
-from actplan.config import RecomputeConfig
 from actplan.measure import compare_steps, interleaved_timing
 from actplan.models import build_model
-from actplan.plan import format_indices
-from actplan.planner import BudgetError, PlanProblem, solve
-from actplan.profile import ModelProfile, config_for
+from actplan.planning.budget import get_profile, pareto_points
+from actplan.planning.planner import BudgetError, PlanProblem, solve
+from actplan.planning.profile import ModelProfile, config_for
 from bench.peer_methods import (
     COMPILE_BACKEND,
     COMPILE_BUDGETS,

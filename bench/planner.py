@@ -34,11 +34,11 @@ from typing import Any
 
 import torch
 
-from actplan.bench import DEFAULT_POLICIES, run_bench
-from actplan.budget import ParetoPoint, get_profile, pareto_points, write_pareto_plot
+from actplan.evaluate.bench import DEFAULT_POLICIES, run_bench
 from actplan.models import load_model
-from actplan.planner import Candidate, PlanProblem, minimum_peak, none_peak, plan_summary, solve
-from actplan.profile import ModelProfile, config_for
+from actplan.planning.budget import ParetoPoint, get_profile, pareto_points, write_pareto_plot
+from actplan.planning.planner import Candidate, PlanProblem, minimum_peak, none_peak, plan_summary, solve
+from actplan.planning.profile import ModelProfile, config_for
 
 SHARES = (0.0, 0.2, 0.4, 0.6, 0.8)  # of the way from the least peak to the no-checkpoint peak
 PROFILE_GOALS = {("dense", "small"): 20.0, ("moe", "small"): 60.0}

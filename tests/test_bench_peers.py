@@ -9,8 +9,14 @@ import pytest
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
-from actplan.bench import PolicyRow, config_installer, policy_rows, prepare_contender, time_contenders
 from actplan.config import RecomputeConfig
+from actplan.evaluate.bench import (
+    PolicyRow,
+    config_installer,
+    policy_rows,
+    prepare_contender,
+    time_contenders,
+)
 from actplan.models import build_model
 from bench import peers
 from bench.peer_methods import (

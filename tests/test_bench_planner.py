@@ -11,7 +11,7 @@ from bench import planner as bench_planner
 
 
 def test_mixed_stack_holds_every_layer_type_in_blocks():
-    from actplan.planner import Candidate, PlanProblem
+    from actplan.planning.planner import Candidate, PlanProblem
 
     a = (Candidate("none", 2, 1, 0.0), Candidate("full", 1, 2, 0.1))
     b = (Candidate("none", 5, 1, 0.0), Candidate("full", 1, 5, 0.3))

@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from actplan import boundary
-from actplan.boundary import (
+from actplan._engine import boundary
+from actplan._engine.boundary import (
     apply_gradient_checkpointing,
     is_checkpointed,
     remove_gradient_checkpointing,

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from actplan.bench import OFFLOAD_VARIANTS, TORCH_CHECKPOINT, run_bench, to_markdown
 from actplan.cli import main
+from actplan.evaluate.bench import OFFLOAD_VARIANTS, TORCH_CHECKPOINT, run_bench, to_markdown
 
 
 @pytest.mark.slow

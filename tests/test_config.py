@@ -632,7 +632,7 @@ def test_unit_list_of_another_type_asks_for_a_list_of_unit_names():
 def test_errors_found_against_the_model_name_the_file_and_line(tmp_path, suffix, text, line, message):
     # Layer indices and declared units are checked only when the config meets a model; the
     # error still says where in the file the field is, as parse errors do.
-    from actplan.apply import plan_for
+    from actplan._install.apply import plan_for
     from actplan.models import build_model
 
     path = tmp_path / f"plan{suffix}"

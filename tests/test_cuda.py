@@ -9,10 +9,10 @@ import pytest
 import torch
 
 import actplan
-from actplan.apply import find_layers
-from actplan.bench import OFFLOAD_VARIANTS, policy_config
+from actplan._engine.offload import OffloadedTensorMutatedError
+from actplan._install.apply import find_layers
+from actplan.evaluate.bench import OFFLOAD_VARIANTS, policy_config
 from actplan.measure import MemoryMeter, SavedTensorMeter, capture_step, compare_steps
-from actplan.offload import OffloadedTensorMutatedError
 from actplan.units import MarkerInterval, RecomputeIntervalMap
 from bench.gpu_models import ModelSpec, batch_on
 
@@ -220,7 +220,7 @@ def test_meter_peak_is_within_two_percent_of_max_memory_allocated(preset):
 
 
 def _layer_and_inputs(bundle):
-    from actplan.profile import _capture_layer_inputs, _IsolatedLayer
+    from actplan.planning.profile import _capture_layer_inputs, _IsolatedLayer
 
     (_, args, kwargs) = _capture_layer_inputs(bundle.model, batch_on(bundle, CUDA))[0]
     layer = find_layers(bundle.model)[0][1]

@@ -383,8 +383,8 @@ def test_a_transformers_model_inside_your_own_module_is_declared_too():
 
 
 def test_verify_passes_on_a_tiny_llama():
+    from actplan.evaluate.verify import verify
     from actplan.models import ModelBundle
-    from actplan.verify import verify
 
     model = tiny("llama")
     bundle = ModelBundle("llama", "tiny", model, lambda seed: {"input_ids": IDS, "labels": IDS}, "tiny llama")
@@ -420,7 +420,7 @@ def test_unknown_reference_kind_is_named():
 
 
 def test_bench_runs_the_reference_llama():
-    from actplan.bench import run_bench
+    from actplan.evaluate.bench import run_bench
 
     result = run_bench("hf-llama", "tiny", ("none", "full", "matmuls"), repeats=1, warmup=0, reference=False)
     assert all(row.parity_ok for row in result.rows)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import actplan
-from actplan.apply import find_layers, installed_plan
+from actplan._install.apply import find_layers, installed_plan
 from actplan.measure import OpCounter, capture_step, compare_steps
 from actplan.models import moe
 

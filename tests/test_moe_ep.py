@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from actplan.bench import OFFLOAD_VARIANTS
+from actplan.evaluate.bench import OFFLOAD_VARIANTS
 from twoproc import run_two_ranks
 
 pytestmark = pytest.mark.slow

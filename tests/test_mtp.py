@@ -15,7 +15,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 import actplan
-from actplan.apply import find_layers, interval_map_of
+from actplan._install.apply import find_layers, interval_map_of
 from actplan.measure import capture_step, compare_steps
 from actplan.models import mtp
 from actplan.models.dense import Attention, DecoderLayer, SwiGLU

@@ -14,11 +14,18 @@ from hypothesis import strategies as st
 from torch import nn
 
 import actplan
+from actplan._engine.offload import (
+    HostPool,
+    OffloadedTensorMutatedError,
+    OffloadEngine,
+    _Handle,
+    _Moved,
+    size_class,
+)
 from actplan.config import ConfigError
 from actplan.markers import checkpoint_record
 from actplan.measure import MemoryMeter, capture_step, compare_steps
 from actplan.models import build_model
-from actplan.offload import HostPool, OffloadedTensorMutatedError, OffloadEngine, _Handle, _Moved, size_class
 from actplan.units import MarkerInterval, RecomputeIntervalMap
 
 # ---------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""``actplan.parallel.parallelize``: checkpointing composed with FSDP2 (and compile) on 2 ranks.
+"""``actplan._install.parallel.parallelize``: checkpointing composed with FSDP2 (and compile) on 2 ranks.
 
 The 2-rank tests launch ``tests/dist/fsdp_worker.py`` under torchrun on gloo/CPU, once per
 scenario, and assert on the JSON rank 0 writes. Input validation runs in-process on a
@@ -23,11 +23,11 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 import actplan
-from actplan.boundary import is_checkpointed
+from actplan._engine.boundary import is_checkpointed
+from actplan._install.parallel import parallelize
 from actplan.config import ConfigError
 from actplan.measure import capture_step, compare_steps
 from actplan.models import build_model
-from actplan.parallel import parallelize
 from twoproc import run_two_ranks
 
 WORKER = Path(__file__).parent / "dist" / "fsdp_worker.py"

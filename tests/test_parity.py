@@ -12,8 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import actplan
-from actplan.apply import find_layers, installed_plan
-from actplan.boundary import checkpoint_state
+from actplan._engine.boundary import checkpoint_state
+from actplan._install.apply import find_layers, installed_plan
 from actplan.measure import MemoryMeter, OpCounter, capture_step, compare_steps
 from actplan.models import build_model
 from actplan.models.dense import DecoderLayer

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from actplan._install.plan import LayerPlan, LayerSpec, Plan, format_indices, resolve_plan
 from actplan.config import ConfigError, RecomputeConfig
-from actplan.plan import LayerPlan, LayerSpec, Plan, format_indices, resolve_plan
 from actplan.units import MarkerInterval, RecomputeIntervalMap, RecomputeUnit
 
 U = RecomputeUnit

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from actplan import planner
-from actplan.planner import (
+from actplan.planning import planner
+from actplan.planning.planner import (
     BudgetError,
     Candidate,
     PlanProblem,

@@ -8,11 +8,11 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext
 
-from actplan import region as region_module
-from actplan.boundary import apply_gradient_checkpointing
+from actplan._engine import region as region_module
+from actplan._engine.boundary import apply_gradient_checkpointing
+from actplan._engine.policy import IntervalPolicy, KeptTensorMutatedError, MarkerError, _Region
 from actplan.markers import MARKER_OP, checkpoint_record
 from actplan.measure import OpCounter
-from actplan.policy import IntervalPolicy, KeptTensorMutatedError, MarkerError, _Region
 from actplan.units import MarkerInterval, RecomputeIntervalMap
 
 IMAP = RecomputeIntervalMap(
@@ -432,7 +432,9 @@ def test_marker_error_names_the_failing_layer_when_layers_share_a_policy():
 
     model = Stack()
     plan = actplan.apply(model, {"mode": "selective", "keep": ["qkv_proj"]})
-    assert len({id(actplan.boundary.checkpoint_state(m).policy) for _, m in actplan.find_layers(model)}) == 1
+    states = [actplan._engine.boundary.checkpoint_state(m) for _, m in actplan.find_layers(model)]
+    policies = {id(state.policy) for state in states}
+    assert len(policies) == 1
     assert plan.layers[2].name == "layers.2"
     with pytest.raises(MarkerError, match=r"^layers.2 \(Toy\): unbalanced markers"):
         model(torch.randn(2, 8, requires_grad=True))
@@ -468,5 +470,5 @@ def test_wrong_markers_raise_under_full_recompute_too(markers, match):
     actplan.apply(healthy, "full")
     for _ in range(2):
         healthy(torch.randn(2, 8, requires_grad=True)).backward()
-    states = [actplan.boundary.checkpoint_state(m) for _, m in actplan.find_layers(healthy)]
+    states = [actplan._engine.boundary.checkpoint_state(m) for _, m in actplan.find_layers(healthy)]
     assert all(state.marker_check is None for state in states)

@@ -12,12 +12,12 @@ import pytest
 import torch
 
 import actplan
-from actplan.budget import get_profile, measure_config, plan_under_budget, preset_choices
 from actplan.cli import main
 from actplan.config import RecomputeConfig
 from actplan.models import build_model, load_model
-from actplan.planner import minimum_peak
-from actplan.profile import ModelProfile, cache_key, config_for, load_cached, picked
+from actplan.planning.budget import get_profile, measure_config, plan_under_budget, preset_choices
+from actplan.planning.planner import minimum_peak
+from actplan.planning.profile import ModelProfile, cache_key, config_for, load_cached, picked
 
 CPU = torch.device("cpu")
 
@@ -176,8 +176,8 @@ def test_config_for_round_trips_every_chosen_candidate(moe):
 
 
 def test_unit_seconds_times_each_units_own_forward():
-    from actplan.apply import find_layers, interval_map_of
-    from actplan.profile import _capture_layer_inputs, _IsolatedLayer
+    from actplan._install.apply import find_layers, interval_map_of
+    from actplan.planning.profile import _capture_layer_inputs, _IsolatedLayer
 
     bundle = build_model("dense", "tiny", batch_size=8, seq_len=64)
     (_, layer), *_ = find_layers(bundle.model)

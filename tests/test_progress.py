@@ -11,7 +11,7 @@ import torch
 
 from actplan.cli import main
 from actplan.models import load_model
-from actplan.profile import profile_model
+from actplan.planning.profile import profile_model
 from actplan.progress import PlainLines, ProgressEvent, ProgressTracker
 
 

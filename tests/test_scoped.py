@@ -9,11 +9,11 @@ import torch
 from torch import nn
 
 import actplan
-from actplan.boundary import apply_gradient_checkpointing
+from actplan._engine.boundary import apply_gradient_checkpointing
+from actplan._engine.policy import IntervalPolicy
 from actplan.markers import checkpoint_record
 from actplan.measure import MemoryMeter, OpCounter, capture_step, compare_steps
 from actplan.models import build_model, load_model
-from actplan.policy import IntervalPolicy
 from actplan.units import MarkerInterval, RecomputeIntervalMap
 
 aten = torch.ops.aten
@@ -290,7 +290,7 @@ def test_routing_inside_a_kept_unit_never_reruns_and_parameters_are_free_inputs(
 
 
 def test_mutation_messages_offer_only_fixes_that_work():
-    from actplan.region import mutation_error
+    from actplan._engine.region import mutation_error
 
     kept = "interval [a, b) of unit 'mlp_up'"
     plain = str(mutation_error("L", "aten.add_", "aten.mm", kept))

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import actplan
-from actplan.apply import find_layers
+from actplan._install.apply import find_layers
 from actplan.measure import OpCounter, capture_step, compare_steps
 from actplan.models import sparse
 from actplan.models.sparse import SparseDecoderLayer

@@ -12,12 +12,12 @@ import pytest
 import torch
 
 import actplan
-from actplan.apply import find_layers
-from actplan.boundary import is_checkpointed
+import tower
+from actplan._engine.boundary import is_checkpointed
+from actplan._install.apply import find_layers
 from actplan.measure import OpCounter, capture_step, compare_steps
-from actplan.models import tower
 from actplan.models.dense import DecoderLayer
-from actplan.models.tower import MicroBatchDecoderLayer
+from tower import MicroBatchDecoderLayer
 
 SDPA = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 SELECTIVE = {"mode": "selective", "keep": ["qkv_proj", "mlp_up"]}

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from actplan.cli import main
+from actplan.evaluate.verify import verify
 from actplan.models import build_model, load_model
-from actplan.verify import verify
 
 
 @pytest.mark.parametrize("config", ["full", "matmuls", {"mode": "selective", "keep": ["mlp_up"]}])
@@ -55,7 +55,7 @@ def test_steps_must_be_positive():
 
 
 def test_equal_infinities_and_nans_are_not_differences():
-    from actplan.verify import _value_difference
+    from actplan.evaluate.verify import _value_difference
 
     inf, nan = float("inf"), float("nan")
     a = torch.tensor([1.0, -inf, nan, inf])

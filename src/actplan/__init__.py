@@ -4,7 +4,14 @@ The public API. Model authors use ``checkpoint_record`` and the vocabulary;
 training code uses ``RecomputeConfig``, ``apply``, ``remove`` and ``offload_engine``.
 """
 
-from actplan.apply import (
+from actplan._engine.boundary import (
+    apply_gradient_checkpointing,
+    is_checkpointed,
+    remove_gradient_checkpointing,
+)
+from actplan._engine.offload import OffloadedTensorMutatedError, OffloadEngine, OffloadStats
+from actplan._engine.policy import IntervalPolicy, KeptTensorMutatedError, MarkerError
+from actplan._install.apply import (
     apply,
     find_layers,
     held_by_layer,
@@ -14,17 +21,10 @@ from actplan.apply import (
     plan_for,
     remove,
 )
-from actplan.boundary import (
-    apply_gradient_checkpointing,
-    is_checkpointed,
-    remove_gradient_checkpointing,
-)
+from actplan._install.parallel import parallelize
+from actplan._install.plan import LayerPlan, Plan
 from actplan.config import PRESETS, ConfigError, LayerSelector, OffloadConfig, RecomputeConfig
 from actplan.markers import checkpoint_record
-from actplan.offload import OffloadedTensorMutatedError, OffloadEngine, OffloadStats
-from actplan.parallel import parallelize
-from actplan.plan import LayerPlan, Plan
-from actplan.policy import IntervalPolicy, KeptTensorMutatedError, MarkerError
 from actplan.units import UNIT_DESCRIPTIONS, MarkerInterval, RecomputeIntervalMap, RecomputeUnit
 
 __version__ = "0.1.0"

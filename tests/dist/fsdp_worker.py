@@ -33,7 +33,7 @@ from torch.distributed.fsdp import fully_shard
 import actplan
 from actplan.measure import MemoryMeter, OpCounter, capture_step, compare_steps
 from actplan.models import build_model
-from actplan.parallel import parallelize
+from actplan._install.parallel import parallelize
 
 # The ops that move data between ranks: c10d's in-place ops (what FSDP2 calls through
 # torch.distributed), functional collectives, and FSDP2's own copy-in/out custom ops.

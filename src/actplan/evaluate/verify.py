@@ -23,14 +23,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import actplan
-from actplan.apply import find_layers
-from actplan.boundary import checkpoint_state
+from actplan._engine.boundary import checkpoint_state
+from actplan._engine.policy import ROUTING_OPS, UNINITIALIZED_OPS
+from actplan._engine.scoped import is_placeholder
+from actplan._install.apply import find_layers
 from actplan.config import RecomputeConfig
 from actplan.measure import capture_step, compare_steps
 from actplan.models import ModelBundle
-from actplan.policy import ROUTING_OPS, UNINITIALIZED_OPS
 from actplan.progress import ProgressCallback, ProgressTracker
-from actplan.scoped import is_placeholder
 
 # Checkpointing itself runs these a different number of times in forward and replay.
 _UNMATCHED_OPS = frozenset(

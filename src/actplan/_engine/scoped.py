@@ -48,13 +48,13 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from actplan._engine.ops import _TRAITS, IGNORED_OPS, always_replayed, always_saved, op_traits
+from actplan._engine.region import KeptTensorMutatedError, MarkerError, MarkerState, mutation_error
 from actplan.markers import LAYER_END
-from actplan.ops import _TRAITS, IGNORED_OPS, always_replayed, always_saved, op_traits
-from actplan.region import KeptTensorMutatedError, MarkerError, MarkerState, mutation_error
 from actplan.units import MarkerInterval
 
 if TYPE_CHECKING:
-    from actplan.policy import IntervalPolicy
+    from actplan._engine.policy import IntervalPolicy
 
 _use_count = torch._C._storage_Use_Count
 

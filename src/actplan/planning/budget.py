@@ -18,11 +18,11 @@ from typing import Any
 import torch
 
 import actplan
-from actplan.apply import plan_for
+from actplan._install.apply import plan_for
 from actplan.config import PRESETS, RecomputeConfig
 from actplan.measure import MemoryMeter, interleaved_timing, ratio
 from actplan.models import ModelBundle
-from actplan.planner import (
+from actplan.planning.planner import (
     BudgetError,
     PlanProblem,
     Solution,
@@ -32,7 +32,7 @@ from actplan.planner import (
     parse_budget,
     solve,
 )
-from actplan.profile import (
+from actplan.planning.profile import (
     ModelProfile,
     cache_key,
     config_for,

@@ -16,9 +16,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
-from actplan.apply import apply, find_layers
+from actplan._install.apply import apply, find_layers
+from actplan._install.plan import Plan
 from actplan.config import ConfigError, RecomputeConfig
-from actplan.plan import Plan
 
 __all__ = ["parallelize"]
 

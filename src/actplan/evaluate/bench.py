@@ -23,7 +23,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from actplan.apply import apply, find_layers, held_by_unit, offload_engine
+from actplan._engine.offload import quiet_empty_offload
+from actplan._engine.policy import IntervalPolicy
+from actplan._install.apply import apply, find_layers, held_by_unit, offload_engine
 from actplan.config import RecomputeConfig
 from actplan.markers import checkpoint_record, routing_markers
 from actplan.measure import (
@@ -37,8 +39,6 @@ from actplan.measure import (
     ratio,
 )
 from actplan.models import ModelBundle, build_model, load_model
-from actplan.offload import quiet_empty_offload
-from actplan.policy import IntervalPolicy
 from actplan.progress import ProgressCallback, ProgressTracker
 from actplan.units import MarkerInterval, RecomputeIntervalMap
 

@@ -17,12 +17,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
+from actplan._engine.ops import _TRAITS, always_replayed, always_saved, op_traits
 from actplan.markers import LAYER_END, MARKER_OP
-from actplan.ops import _TRAITS, always_replayed, always_saved, op_traits
 from actplan.units import MarkerInterval
 
 if TYPE_CHECKING:
-    from actplan.policy import IntervalPolicy
+    from actplan._engine.policy import IntervalPolicy
 
 _SAVE = CheckpointPolicy.MUST_SAVE
 _RECOMPUTE = CheckpointPolicy.PREFER_RECOMPUTE

@@ -25,9 +25,9 @@ from typing import Any
 
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
-from actplan.ops import ROUTING_OPS, UNINITIALIZED_OPS
-from actplan.region import KeptTensorMutatedError, MarkerError, MarkerState, TracedRegion
-from actplan.scoped import HeldReport, LearntLayout, ScopedRegion
+from actplan._engine.ops import ROUTING_OPS, UNINITIALIZED_OPS
+from actplan._engine.region import KeptTensorMutatedError, MarkerError, MarkerState, TracedRegion
+from actplan._engine.scoped import HeldReport, LearntLayout, ScopedRegion
 from actplan.units import MarkerInterval, RecomputeIntervalMap
 
 __all__ = [

@@ -100,7 +100,7 @@ class PlanProblem:
         if not self.layers:
             raise ValueError(
                 "a plan problem needs at least one layer; pass layers=[candidates of layer 0, ...] "
-                "(actplan.budget builds it from a profile)"
+                "(actplan.planning.budget builds it from a profile)"
             )
         for index, candidates in enumerate(self.layers):
             if not candidates:

@@ -35,7 +35,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_leaves
 
-from actplan.boundary import InstanceForward, RuntimeOnly, inner_forward, restore_forward
+from actplan._engine.boundary import InstanceForward, RuntimeOnly, inner_forward, restore_forward
 from actplan.markers import routing_markers
 from actplan.sizes import DEFAULT_HOST_CAP_BYTES, DEFAULT_OFFLOAD_MIN_BYTES
 

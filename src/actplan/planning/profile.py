@@ -44,14 +44,14 @@ from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
 import actplan
-from actplan.apply import find_layers, interval_map_of, offload_engine
+from actplan._engine.offload import quiet_empty_offload
+from actplan._install.apply import find_layers, interval_map_of, offload_engine
+from actplan._install.plan import format_indices
 from actplan.config import PRESETS, RecomputeConfig
 from actplan.markers import routing_markers
 from actplan.measure import MemoryMeter, interleaved_timing
 from actplan.models import ModelBundle
-from actplan.offload import quiet_empty_offload
-from actplan.plan import format_indices
-from actplan.planner import Candidate, PlanProblem
+from actplan.planning.planner import Candidate, PlanProblem
 from actplan.progress import ProgressCallback, ProgressTracker
 from actplan.sizes import DEFAULT_OFFLOAD_MIN_BYTES
 

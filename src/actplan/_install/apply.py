@@ -13,17 +13,17 @@ from typing import Any
 
 from torch import nn
 
-from actplan.boundary import (
+from actplan._engine.boundary import (
     RuntimeOnly,
     apply_gradient_checkpointing,
     checkpoint_state,
     remove_gradient_checkpointing,
 )
+from actplan._engine.offload import OffloadEngine, apply_offload, is_offloaded, remove_offload
+from actplan._engine.policy import IntervalPolicy
+from actplan._install.plan import LayerPlan, LayerSpec, Plan, format_indices, resolve_plan
 from actplan.config import ConfigError, RecomputeConfig
 from actplan.integrations import hf
-from actplan.offload import OffloadEngine, apply_offload, is_offloaded, remove_offload
-from actplan.plan import LayerPlan, LayerSpec, Plan, format_indices, resolve_plan
-from actplan.policy import IntervalPolicy
 from actplan.units import RecomputeIntervalMap
 
 _PLAN_ATTR = "_actplan_plan"

@@ -24,7 +24,8 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from actplan.bench import (
+from actplan.config import PRESETS, ConfigError
+from actplan.evaluate.bench import (
     DEFAULT_POLICIES,
     GOAL_SIZE,
     OFFLOAD_VARIANTS,
@@ -34,7 +35,6 @@ from actplan.bench import (
     to_markdown,
     write_json,
 )
-from actplan.config import PRESETS, ConfigError
 from actplan.integrations import hf
 from actplan.models import MODELS, ModelBundle
 from actplan.progress import PlainLines, ProgressCallback, ProgressEvent
@@ -187,7 +187,7 @@ def held_table(held: dict[str, dict[str, dict[str, int]]], title: str) -> Table:
 
 
 def _explain(args: argparse.Namespace, console: Console) -> int:
-    from actplan.apply import plan_for
+    from actplan._install.apply import plan_for
     from actplan.models import load_model
 
     bundle = load_model(args.model, args.size)
@@ -244,7 +244,7 @@ def _explain_measured(bundle: ModelBundle, config: str, console: Console) -> int
 
 
 def _units(args: argparse.Namespace, console: Console) -> int:
-    from actplan.apply import layer_specs
+    from actplan._install.apply import layer_specs
     from actplan.models import load_model
     from actplan.units import UNIT_DESCRIPTIONS, RecomputeUnit
 
@@ -311,7 +311,7 @@ def _profile_inputs(args: argparse.Namespace):
     """The model, the device and the profiling options (shared by ``profile`` and ``plan``)."""
     import torch
 
-    from actplan.bench import _device
+    from actplan.evaluate.bench import _device
     from actplan.models import load_model
     from actplan.sizes import parse_bytes
 
@@ -331,7 +331,7 @@ def profile_table(profile) -> Table:
     table = Table(title=f"profile of {profile.model} on {profile.device}")
     for column in ("layers", "candidate", "retained MiB", "transient MiB", "offloaded MiB", "extra ms"):
         table.add_column(column, justify="left" if column in ("layers", "candidate") else "right")
-    from actplan.plan import format_indices
+    from actplan._install.plan import format_indices
 
     for layer_type in profile.layer_types:
         where = f"{layer_type.class_name} {format_indices(layer_type.layer_indices)}"
@@ -348,7 +348,7 @@ def profile_table(profile) -> Table:
 
 
 def _profile(args: argparse.Namespace, console: Console) -> int:
-    from actplan.budget import get_profile
+    from actplan.planning.budget import get_profile
 
     bundle, device, options = _profile_inputs(args)
     with _progress(console, args.quiet, "profiling") as progress:
@@ -373,8 +373,8 @@ def _profile(args: argparse.Namespace, console: Console) -> int:
 def _plan(args: argparse.Namespace, console: Console) -> int:
     import json
 
-    from actplan.budget import plan_under_budget
-    from actplan.planner import parse_budget
+    from actplan.planning.budget import plan_under_budget
+    from actplan.planning.planner import parse_budget
 
     if args.sweep:
         return _sweep(args, console)
@@ -408,7 +408,7 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
         )
         table.add_row("prediction error", f"{error['peak']:+.1%}", f"{error['time_ratio']:+.1%}")
     console.print(table)
-    from actplan.plan import format_indices
+    from actplan._install.plan import format_indices
 
     by_candidate: dict[str, list[int]] = {}
     for layer in result.layers:
@@ -435,8 +435,8 @@ def _sweep(args: argparse.Namespace, console: Console) -> int:
     """``actplan plan --sweep``: the whole predicted front, nothing run."""
     import json
 
-    from actplan.budget import get_profile, pareto_points, sweep, write_pareto_plot
-    from actplan.planner import pareto_front, plan_summary
+    from actplan.planning.budget import get_profile, pareto_points, sweep, write_pareto_plot
+    from actplan.planning.planner import pareto_front, plan_summary
 
     if args.out or args.no_run:
         raise ValueError("--sweep writes no plan and runs nothing: drop --out and --no-run")
@@ -477,9 +477,9 @@ def _sweep(args: argparse.Namespace, console: Console) -> int:
 def _verify(args: argparse.Namespace, console: Console) -> int:
     import json
 
-    from actplan.bench import _device
+    from actplan.evaluate.bench import _device
+    from actplan.evaluate.verify import verify
     from actplan.models import load_model
-    from actplan.verify import verify
 
     bundle = load_model(args.model, args.size)
     with _progress(console, args.quiet, "verifying") as progress:
@@ -700,7 +700,7 @@ def _unwritable(path: Path) -> str | None:
 def _check_arguments(args: argparse.Namespace) -> None:
     """What can be checked before any work: the device and the output paths."""
     if getattr(args, "device", None) is not None:
-        from actplan.bench import _device
+        from actplan.evaluate.bench import _device
 
         _device(args.device)
     for attribute, option in _OUTPUT_OPTIONS:

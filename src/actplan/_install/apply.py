@@ -13,6 +13,7 @@ from typing import Any
 
 from torch import nn
 
+from actplan import integrations
 from actplan._engine.boundary import (
     RuntimeOnly,
     apply_gradient_checkpointing,
@@ -23,7 +24,6 @@ from actplan._engine.offload import OffloadEngine, apply_offload, is_offloaded, 
 from actplan._engine.policy import IntervalPolicy
 from actplan._install.plan import LayerPlan, LayerSpec, Plan, format_indices, resolve_plan
 from actplan.config import ConfigError, RecomputeConfig
-from actplan.integrations import hf
 from actplan.units import RecomputeIntervalMap
 
 _PLAN_ATTR = "_actplan_plan"
@@ -48,12 +48,14 @@ def interval_map_of(module: nn.Module) -> RecomputeIntervalMap | None:
     declared = getattr(module, "recompute_intervals", None)
     if isinstance(declared, RecomputeIntervalMap):
         return declared
-    if type(module).__module__.startswith("transformers."):
-        return hf.known_interval_map(module)
+    for source in integrations.sources():
+        found = source.interval_map(module)
+        if found is not None:
+            return found
     return None
 
 
-def find_layers(model: nn.Module, layouts: hf.Layouts | None = None) -> list[tuple[str, nn.Module]]:
+def find_layers(model: nn.Module, layouts: integrations.Layouts | None = None) -> list[tuple[str, nn.Module]]:
     """Checkpointable layers in forward-declaration order, outermost only.
 
     ``layouts`` (Hugging Face models: decoder-layer class name -> unit -> spans) take
@@ -62,19 +64,21 @@ def find_layers(model: nn.Module, layouts: hf.Layouts | None = None) -> list[tup
 
 
 def _layers_with_maps(
-    model: nn.Module, layouts: hf.Layouts | None
+    model: nn.Module, layouts: integrations.Layouts | None
 ) -> list[tuple[str, nn.Module, RecomputeIntervalMap]]:
-    # Hugging Face decoder layers: a layout given here, else a declaration already made (by
-    # hf.declare, perhaps with other layouts), else the built-in or derived one.
-    from_hf = hf.layer_maps(model, layouts) if hf.contains_transformers(model) else {}
+    # Layers of an integration's framework (Hugging Face decoder layers): a layout given here,
+    # else a declaration already made (perhaps with other layouts), else its own map.
+    from_source: dict[int, RecomputeIntervalMap | None] = {}
+    for source in integrations.recognising(model):
+        from_source.update(source.layer_maps(model, layouts))
     given = set(layouts or ())
     found: list[tuple[str, nn.Module, RecomputeIntervalMap]] = []
     for name, module in model.named_modules():
         if any(name.startswith(outer + ".") for outer, _, _ in found):
             continue
         declared = getattr(module, "recompute_intervals", None)
-        if id(module) in from_hf and (type(module).__name__ in given or declared is None):
-            interval_map = from_hf[id(module)]
+        if id(module) in from_source and (type(module).__name__ in given or declared is None):
+            interval_map = from_source[id(module)]
         else:
             interval_map = interval_map_of(module)
         if interval_map is not None:
@@ -82,7 +86,7 @@ def _layers_with_maps(
     return found
 
 
-def layer_specs(model: nn.Module, layouts: hf.Layouts | None = None) -> list[LayerSpec]:
+def layer_specs(model: nn.Module, layouts: integrations.Layouts | None = None) -> list[LayerSpec]:
     return [
         LayerSpec(index=i, name=name or "<root>", class_name=type(m).__name__, interval_map=interval_map)
         for i, (name, m, interval_map) in enumerate(_layers_with_maps(model, layouts))
@@ -92,15 +96,16 @@ def layer_specs(model: nn.Module, layouts: hf.Layouts | None = None) -> list[Lay
 def plan_for(
     model: nn.Module,
     config: RecomputeConfig | dict | str | Path,
-    layouts: hf.Layouts | None = None,
+    layouts: integrations.Layouts | None = None,
 ) -> Plan:
     """Resolve ``config`` against ``model``'s layers without touching the model.
 
     ``layouts``: as for ``apply``."""
     specs = layer_specs(model, layouts)
-    if not specs and hf.contains_transformers(model):
-        # A transformers model with no usable layout: say what was found and how to pass one.
-        raise hf.layout_error(model, hf.unsure_layers(model, layouts))
+    for source in integrations.recognising(model) if not specs else ():
+        # A framework's model with no usable layout: its own error says what was found and
+        # how to pass a layout.
+        raise source.no_layers_error(model, layouts)
     if not specs:
         _reject_plain_dict_declarations(model)
     try:
@@ -133,7 +138,7 @@ def _reject_plain_dict_declarations(model: nn.Module) -> None:
 def apply(
     model: nn.Module,
     config: RecomputeConfig | dict[str, Any] | str | Path,
-    layouts: hf.Layouts | None = None,
+    layouts: integrations.Layouts | None = None,
 ) -> Plan:
     """Resolve ``config`` to a per-layer plan and install it on ``model``'s layers.
 
@@ -142,14 +147,15 @@ def apply(
     with ``offload`` also gets an ``OffloadEngine`` (see ``offload_engine(model)``).
     ``layouts`` declares the units of Hugging Face decoder layers actplan has no built-in
     or derived layout for, by class name (see ``actplan.integrations.hf``); layouts given
-    to an earlier ``hf.declare(model, layouts=...)`` are kept. Returns the installed ``Plan``.
+    to an earlier ``actplan.integrations.hf.declare(model, layouts=...)`` are kept. Returns the installed ``Plan``.
     """
-    layouts = {**hf.declared_layouts(model), **(layouts or {})} or None
+    sources = integrations.recognising(model)
+    saved = {name: layout for source in sources for name, layout in source.saved_layouts(model).items()}
+    layouts = {**saved, **(layouts or {})} or None
     plan = plan_for(model, config, layouts)
     remove(model)
-    if hf.contains_transformers(model) and not hf.declared_inside(model):
-        # Markers for transformers layers: hooks on their submodules.
-        hf.declare(model, layouts)
+    for source in sources:
+        source.prepare(model, layouts)  # markers for its layers (hooks on their submodules)
     layers = [
         (layer_plan, module)
         for layer_plan, (_, module) in zip(plan.layers, find_layers(model, layouts), strict=True)
@@ -285,5 +291,6 @@ def remove(model: nn.Module) -> int:
             removed += remove_gradient_checkpointing(module)
     model.__dict__.pop(_PLAN_ATTR, None)
     model.__dict__.pop(_ENGINE_ATTR, None)
-    hf.undeclare(model)
+    for source in integrations.recognising(model):
+        source.release(model)
     return removed

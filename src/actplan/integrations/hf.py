@@ -578,3 +578,35 @@ def reference_model(kind: str, size: str = "tiny", layers: int | None = None) ->
         return {"input_ids": ids[:, :-1].contiguous(), "labels": ids[:, :-1].contiguous()}
 
     return model.train(), make_batch
+
+
+class _HuggingFace:
+    """The ``LayerSource`` for ``transformers`` models (see ``actplan.integrations``)."""
+
+    name = "huggingface"
+
+    def recognises(self, model: nn.Module) -> bool:
+        return contains_transformers(model)
+
+    def interval_map(self, module: nn.Module) -> RecomputeIntervalMap | None:
+        return known_interval_map(module) if type(module).__module__.startswith("transformers.") else None
+
+    def layer_maps(self, model: nn.Module, layouts: Layouts | None) -> dict[int, RecomputeIntervalMap | None]:
+        return layer_maps(model, layouts)
+
+    def saved_layouts(self, model: nn.Module) -> dict[str, Layout | None]:
+        return declared_layouts(model)
+
+    def prepare(self, model: nn.Module, layouts: Layouts | None) -> None:
+        if not declared_inside(model):
+            declare(model, layouts)
+
+    def release(self, model: nn.Module) -> None:
+        undeclare(model)
+
+    def no_layers_error(self, model: nn.Module, layouts: Layouts | None) -> Exception:
+        return layout_error(model, unsure_layers(model, layouts))
+
+
+SOURCE = _HuggingFace()
+"""Registered by ``actplan.integrations`` on first use."""

@@ -66,7 +66,7 @@ from actplan.evaluate.bench import (
     torch_checkpoint_installer,
 )
 from actplan.measure import compare_steps, interleaved_timing
-from actplan.models import build_model
+from actplan.models import build_model, train_step
 from actplan.planning.budget import get_profile, pareto_points
 from actplan.planning.planner import BudgetError, PlanProblem, solve
 from actplan.planning.profile import ModelProfile, config_for
@@ -385,10 +385,7 @@ def cpu_overhead(
 
 
 def _step(contender: Contender, batch: dict[str, torch.Tensor]) -> None:
-    out = contender.model(**batch)
-    (out["loss"] if isinstance(out, dict) else out).backward()
-    contender.optimizer.step()
-    contender.optimizer.zero_grad(set_to_none=True)
+    train_step(contender.model, batch, contender.optimizer)
 
 
 # -- one model ---------------------------------------------------------------------------------

@@ -70,3 +70,13 @@ def format_bytes(nbytes: int) -> str | int:
         if nbytes and nbytes % scale == 0:
             return f"{nbytes // scale}{suffix}"
     return nbytes
+
+
+def mib(nbytes: float | None) -> str:
+    """Bytes as MiB for tables: ``'1,234.5'``; ``'-'`` for ``None``."""
+    return "-" if nbytes is None else f"{nbytes / 2**20:,.1f}"
+
+
+def human_bytes(nbytes: float) -> str:
+    """Bytes with a unit for messages: GiB from 1 GiB up (``'1.500 GiB'``), else ``'12.5 MiB'``."""
+    return f"{nbytes / 2**30:.3f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"

@@ -147,7 +147,8 @@ def apply(
     with ``offload`` also gets an ``OffloadEngine`` (see ``offload_engine(model)``).
     ``layouts`` declares the units of Hugging Face decoder layers actplan has no built-in
     or derived layout for, by class name (see ``actplan.integrations.hf``); layouts given
-    to an earlier ``actplan.integrations.hf.declare(model, layouts=...)`` are kept. Returns the installed ``Plan``.
+    to an earlier ``actplan.integrations.hf.declare(model, layouts=...)`` are kept.
+    Returns the installed ``Plan``.
     """
     sources = integrations.recognising(model)
     saved = {name: layout for source in sources for name, layout in source.saved_layouts(model).items()}

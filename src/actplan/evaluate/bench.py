@@ -38,7 +38,7 @@ from actplan.measure import (
     interleaved_timing,
     ratio,
 )
-from actplan.models import ModelBundle, build_model, load_model
+from actplan.models import ModelBundle, build_model, load_model, train_step
 from actplan.progress import ProgressCallback, ProgressTracker
 from actplan.units import MarkerInterval, RecomputeIntervalMap
 
@@ -147,10 +147,6 @@ def checkpoint_every_layer(model: nn.Module, **checkpoint_kwargs: Any) -> None:
             return checkpoint(_forward, *args, use_reentrant=False, **checkpoint_kwargs, **kwargs)
 
         layer.forward = wrapped
-
-
-def _loss_of(output: Any) -> torch.Tensor:
-    return output["loss"] if isinstance(output, dict) else output
 
 
 Installer = Callable[[nn.Module], str]
@@ -312,15 +308,20 @@ def _plain_train_step(
     meter: MemoryMeter | None,
     capture: bool,
 ) -> StepCapture | None:
-    torch.manual_seed(seed)
-    loss = _loss_of(contender.model(**batch))
-    if meter is not None:
-        meter.mark("forward_end")
-    loss.backward()
-    captured = _without_wrapper_prefix(capture_step(contender.model, loss)) if capture else None
-    contender.optimizer.step()
-    contender.optimizer.zero_grad(set_to_none=True)
-    return captured
+    captured = []
+    train_step(
+        contender.model,
+        batch,
+        contender.optimizer,
+        seed=seed,
+        after_forward=(lambda _: meter.mark("forward_end")) if meter is not None else None,
+        after_backward=(
+            (lambda loss: captured.append(_without_wrapper_prefix(capture_step(contender.model, loss))))
+            if capture
+            else None
+        ),
+    )
+    return captured[0] if captured else None
 
 
 _WRAPPER_PREFIX = "_checkpoint_wrapped_module."

@@ -29,13 +29,19 @@ from actplan._engine.scoped import is_placeholder
 from actplan._install.apply import find_layers
 from actplan.config import RecomputeConfig
 from actplan.measure import capture_step, compare_steps
-from actplan.models import ModelBundle
+from actplan.models import ModelBundle, train_step
 from actplan.progress import ProgressCallback, ProgressTracker
 
 # Checkpointing itself runs these a different number of times in forward and replay.
 _UNMATCHED_OPS = frozenset(
     getattr(torch.utils.checkpoint, "SAC_IGNORED_OPS", ()) or {torch.ops.aten.detach.default}
 )
+
+
+@contextlib.contextmanager
+def _both(first: Any, second: Any) -> Iterator[None]:
+    with first, second:
+        yield
 
 
 class _RoutingRecorder(TorchDispatchMode):
@@ -259,14 +265,9 @@ def verify(
         batch = bundle.batch(step, device)
         captures = []
         for model in (baseline, candidate):
-            torch.manual_seed(1000 + step)
             routes = _RoutingRecorder()
             watching = checker if (checker is not None and model is candidate) else contextlib.nullcontext()
-            with watching, routes:
-                out = model(**batch)
-                loss = out["loss"] if isinstance(out, dict) else out
-                del out
-                loss.backward()
+            loss = train_step(model, batch, seed=1000 + step, context=_both(watching, routes))
             captures.append(capture_step(model, loss, routes.as_extras()))
             optimizer = optimizers[id(model)]
             optimizer.step()

@@ -7,11 +7,12 @@ analytic activation floor. Models import only ``actplan.markers`` and
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -20,6 +21,45 @@ import torch
 from torch import nn
 
 from actplan.models import dense, moe, mtp, sparse
+
+
+def loss_of(output: Any) -> torch.Tensor:
+    """The loss in a model's output: the output itself, or its ``"loss"`` entry (a dict, or a
+    Hugging Face ``ModelOutput``)."""
+    return output["loss"] if isinstance(output, Mapping) else output
+
+
+def train_step(
+    model: nn.Module,
+    batch: Mapping[str, Any],
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    seed: int | None = None,
+    context: contextlib.AbstractContextManager[Any] | None = None,
+    after_forward: Callable[[torch.Tensor], Any] | None = None,
+    after_backward: Callable[[torch.Tensor], Any] | None = None,
+) -> torch.Tensor:
+    """One training step, the way every measurement in actplan runs it: seed the RNG (when
+    ``seed`` is given), forward keeping only the loss (other outputs would stay alive),
+    backward, then the optimizer step and ``zero_grad(set_to_none=True)``.
+
+    ``context`` is entered around forward and backward (a meter, a recorder);
+    ``after_forward(loss)`` runs between them, ``after_backward(loss)`` before the optimizer
+    step (while the gradients exist). Returns the loss.
+    """
+    if seed is not None:
+        torch.manual_seed(seed)
+    with context if context is not None else contextlib.nullcontext():
+        loss = loss_of(model(**batch))
+        if after_forward is not None:
+            after_forward(loss)
+        loss.backward()
+        if after_backward is not None:
+            after_backward(loss)
+    if optimizer is not None:
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return loss
 
 
 @dataclass

@@ -21,7 +21,7 @@ import actplan
 from actplan._install.apply import plan_for
 from actplan.config import PRESETS, RecomputeConfig
 from actplan.measure import MemoryMeter, interleaved_timing, ratio
-from actplan.models import ModelBundle
+from actplan.models import ModelBundle, train_step
 from actplan.planning.planner import (
     BudgetError,
     PlanProblem,
@@ -110,15 +110,7 @@ def measure_config(
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
 
         def step(model=model, optimizer=optimizer) -> float:
-            torch.manual_seed(0)
-            # Only the loss is kept (as the profile's steps do): other outputs would stay alive.
-            out = model(**batch)
-            loss = out["loss"] if isinstance(out, dict) else out
-            del out
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            return loss.item()
+            return train_step(model, batch, optimizer, seed=0).item()
 
         # Same initial weights: the first step's losses must agree bit for bit.
         losses[name] = step()

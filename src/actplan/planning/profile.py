@@ -50,7 +50,7 @@ from actplan._install.plan import format_indices
 from actplan.config import PRESETS, RecomputeConfig
 from actplan.markers import routing_markers
 from actplan.measure import MemoryMeter, interleaved_timing
-from actplan.models import ModelBundle
+from actplan.models import ModelBundle, loss_of, train_step
 from actplan.planning.planner import Candidate, PlanProblem
 from actplan.progress import ProgressCallback, ProgressTracker
 from actplan.sizes import DEFAULT_OFFLOAD_MIN_BYTES
@@ -230,18 +230,10 @@ def copy_bandwidth(device: torch.device, nbytes: int = 64 * 2**20, repeats: int 
     return out
 
 
-def _loss(output: Any) -> torch.Tensor:
-    return output["loss"] if isinstance(output, dict) else output
-
-
 def _model_step(
     model: nn.Module, batch: dict, optimizer: torch.optim.Optimizer | None, seed: int = 0
 ) -> None:
-    torch.manual_seed(seed)
-    _loss(model(**batch)).backward()
-    if optimizer is not None:
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+    train_step(model, batch, optimizer, seed=seed)
 
 
 def _watch_backward(model: nn.Module, meter: MemoryMeter) -> None:
@@ -640,7 +632,7 @@ def profile_model(
         with MemoryMeter(plain, optimizer) as meter:
             torch.manual_seed(0)
             _watch_backward(plain, meter)
-            loss = _loss(plain(**batch))
+            loss = loss_of(plain(**batch))
             forward_end = meter.mark("forward_end").live_bytes
             loss.backward()
             del loss

@@ -1,0 +1,30 @@
+"""Storage identity: one helper for "which storage is this tensor's" and "which storages does
+the model own" (parameters and buffers), shared by the offload engine, the meters and the
+profiler. Imports only torch."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+
+def storage_key(tensor: torch.Tensor) -> int:
+    """The identity of ``tensor``'s storage (shared by every view of it)."""
+    return tensor.untyped_storage()._cdata
+
+
+def storage_keys(tensors: Iterable[torch.Tensor]) -> set[int]:
+    return {storage_key(t) for t in tensors}
+
+
+def owned_storages(model: nn.Module, parameters: bool = True, buffers: bool = True) -> set[int]:
+    """Storages of ``model``'s parameters and/or buffers: the model's own memory, never an
+    activation."""
+    tensors: list[torch.Tensor] = []
+    if parameters:
+        tensors.extend(model.parameters())
+    if buffers:
+        tensors.extend(model.buffers())
+    return storage_keys(tensors)

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import itertools
+import subprocess
+import sys
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from actplan.planning import planner
+from actplan.planning import _frontier, _milp
 from actplan.planning.planner import (
     BudgetError,
     Candidate,
@@ -98,9 +100,9 @@ def stacks(draw):
 @given(problem=stacks(), slack=st.floats(0.0, 1.0))
 def test_frontier_solver_matches_the_milp_optimum(problem, slack):
     lowest, _choices = minimum_peak(problem)
-    assert lowest == pytest.approx(problem.peak(planner._milp(problem, None)), rel=1e-9)
+    assert lowest == pytest.approx(problem.peak(_milp.milp(problem, None)), rel=1e-9)
     budget = lowest * (1 + slack)
-    milp = planner._milp(problem, budget * (1 + 1e-9) + 1)
+    milp = _milp.milp(problem, budget * (1 + 1e-9) + 1)
     solution = solve(problem, budget)
     assert milp is not None
     assert solution.predicted_seconds == pytest.approx(problem.seconds(milp), abs=1e-9)
@@ -112,9 +114,9 @@ def test_a_frontier_past_its_limit_falls_back_to_the_milp(monkeypatch):
     problem = PlanProblem(layers=(layer,) * 8, static_bytes=0, base_seconds=1.0)
     budget = 40 * MIB
     exact = solve(problem, budget)
-    monkeypatch.setattr(planner, "FRONTIER_LIMIT", 2)
-    with pytest.raises(planner._FrontierTooLarge):
-        planner._frontier(planner._reduced(problem)[0], budget)
+    monkeypatch.setattr(_frontier, "FRONTIER_LIMIT", 2)
+    with pytest.raises(_frontier.FrontierTooLarge):
+        _frontier.frontier(_frontier.reduced(problem)[0], budget)
     assert solve(problem, budget).predicted_seconds == pytest.approx(exact.predicted_seconds, abs=1e-12)
 
 
@@ -248,6 +250,17 @@ def test_a_solver_failure_says_it_is_not_a_budget_problem():
     layer = (Candidate("none", 100.0, 0.0, 0.0), Candidate("full", 10.0, 5.0, 1e308))
     problem = PlanProblem(layers=(layer, layer), static_bytes=0, base_seconds=1.0)
     with pytest.raises(RuntimeError) as info:
-        planner._milp(problem, 150.0)
+        _milp.milp(problem, 150.0)
     assert "MILP solver" in str(info.value) and "not a budget one" in str(info.value)
     assert "upgrade scipy" in str(info.value)
+
+
+def test_a_missing_plan_extra_names_the_pip_line(monkeypatch):
+    layer = (Candidate("none", 1.0, 0.0, 0.0),)
+    problem = PlanProblem(layers=(layer,), static_bytes=0, base_seconds=1.0)
+    monkeypatch.setitem(sys.modules, "scipy", None)  # what find_spec reports for a missing package
+    with pytest.raises(ImportError, match=r"pip install 'actplan\[plan\]'"):
+        _milp.milp(problem, None)
+    hidden = "import sys; sys.modules['numpy'] = None; import actplan.planning.planner"
+    ran = subprocess.run([sys.executable, "-c", hidden], capture_output=True, text=True, check=False)
+    assert ran.returncode != 0 and "pip install 'actplan[plan]'" in ran.stderr

@@ -1,6 +1,6 @@
 """Choose one candidate per layer: least predicted step time with predicted peak memory under a budget.
 
-Pure (numpy and scipy): ``profile.py`` measures the candidates, this module solves. A
+Pure (no torch): ``profile.py`` measures the candidates, this module solves. A
 candidate is one way to run a layer, with ``retained_bytes`` (what the layer leaves on the
 device at the end of forward), ``transient_bytes`` (what its backward, recompute included,
 needs on top while it runs) and ``extra_seconds`` (its cost over keeping everything:
@@ -22,30 +22,32 @@ them; ``fixed + sum retained + max transient`` (every gradient and every activat
 once) is its upper bound. Step time is ``base_seconds + sum_i extra_seconds_i``.
 
 The choice is solved exactly by a dynamic program over Pareto frontiers of partial plans
-(``_frontier``): every phase is a prefix sum of retained bytes plus terms of one layer, so a
+(``planning/_frontier.py``): every phase is a prefix sum of retained bytes plus terms of one layer, so a
 partial plan is dominated by one with no more retained bytes, the same offloaded tail and
 no more time. A beam pass finds a good plan first; the exact pass then also drops partial
 plans whose LP bound on the remaining layers cannot beat it. Solving 128 layers takes a
-tenth of a second (``python -m bench.planner``). The MILP (HiGHS through
-``scipy.optimize.milp``, prefix sums as continuous variables) stays as the tests' oracle and
-as the fallback when a frontier grows past ``FRONTIER_LIMIT`` states.
+tenth of a second (``python -m bench.planner``). The MILP (``planning/_milp.py``: HiGHS
+through ``scipy.optimize.milp``, prefix sums as continuous variables) stays as the tests'
+oracle and as the fallback when a frontier grows past ``FRONTIER_LIMIT`` states.
+
+Imports ``actplan.sizes`` and the private solver modules ``_frontier`` (numpy) and ``_milp``
+(scipy, loaded when first solved); the package checks the ``plan`` extra on import.
 """
 
 from __future__ import annotations
 
-import functools
 import itertools
 import math
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
-import numpy as np
-from scipy.optimize import Bounds, LinearConstraint, milp
-
-from actplan.sizes import parse_bytes
+from actplan.planning import _frontier, _milp
+from actplan.planning._frontier import FRONTIER_LIMIT
+from actplan.sizes import human_bytes, parse_bytes
 
 __all__ = [
+    "FRONTIER_LIMIT",
     "BudgetError",
     "Candidate",
     "PlanProblem",
@@ -180,335 +182,22 @@ class Solution:
     budget_bytes: float
 
 
-_MIB = float(2**20)
-
-
-@functools.lru_cache(maxsize=256)
-def _undominated(candidates: tuple[Candidate, ...]) -> tuple[int, ...]:
-    """Indices of candidates no other candidate beats or ties on every cost (retained,
-    transient, time, offloaded; the first of identical ones is kept). Dropping the rest
-    never changes the optimum: swapping a dominated choice for its dominator raises no
-    phase and no time."""
-    keys = [(c.retained_bytes, c.transient_bytes, c.extra_seconds, c.offloaded_bytes) for c in candidates]
-    kept = []
-    for i, a in enumerate(keys):
-        dominated = any(
-            all(b[k] <= a[k] for k in range(4)) and (b != a or j < i) for j, b in enumerate(keys) if j != i
-        )
-        if not dominated:
-            kept.append(i)
-    return tuple(kept)
-
-
-def _reduced(problem: PlanProblem) -> tuple[PlanProblem, list[tuple[int, ...]]]:
-    """The problem on each layer's undominated candidates, and the map back to full indices."""
-    keep = [_undominated(cs) for cs in problem.layers]
-    reduced = replace(
-        problem, layers=tuple(tuple(cs[i] for i in k) for cs, k in zip(problem.layers, keep, strict=True))
-    )
-    return reduced, keep
-
-
-def _milp(problem: PlanProblem, budget: float | None) -> tuple[int, ...] | None:
-    """The MILP on the undominated candidates; choices index the full candidate lists. Kept
-    as the exact oracle the frontier solver is tested against (and its fallback)."""
-    reduced, keep = _reduced(problem)
-    choices = _milp_reduced(reduced, budget)
-    if choices is None:
-        return None
-    return tuple(k[c] for k, c in zip(keep, choices, strict=True))
-
-
-# The frontier solver gives up (and the MILP answers) past this many states in one layer.
-FRONTIER_LIMIT = 400_000
-# States per tail the beam pass keeps: it finds a plan that fits fast, whose time bounds
-# the exact pass.
-_THIN = 16
-
-
-class _FrontierTooLarge(Exception):
-    pass
-
-
-@functools.lru_cache(maxsize=8)
-def _suffix_bounds(layers: tuple[tuple[Candidate, ...], ...]) -> list[tuple[float, np.ndarray, np.ndarray]]:
-    """Per layer ``i``, a lower bound on the extra seconds of layers ``i..`` as a function of
-    the retained bytes they may add: the LP relaxation of that multiple-choice knapsack
-    (each layer on the lower convex hull of its (retained, seconds) points, the hull's
-    segments taken steepest first). Returned as ``(least retained, bytes, seconds)``: the
-    bound at capacity ``c`` is ``interp(c - least, bytes, seconds)``, infinite below ``least``.
-    Index ``len(layers)`` is the empty suffix."""
-    hulls = []
-    for candidates in layers:
-        points = sorted({(c.retained_bytes, c.extra_seconds) for c in candidates})
-        hull: list[tuple[float, float]] = []
-        for x, y in points:
-            if hull and y >= hull[-1][1]:
-                continue  # more bytes for no less time: never on the lower-left hull
-            while len(hull) >= 2 and (
-                (hull[-1][0] - hull[-2][0]) * (y - hull[-2][1])
-                <= (hull[-1][1] - hull[-2][1]) * (x - hull[-2][0])
-            ):
-                hull.pop()
-            hull.append((x, y))
-        hulls.append(hull)
-    out: list[tuple[float, np.ndarray, np.ndarray]] = [(0.0, np.zeros(1), np.zeros(1))]
-    least = seconds = 0.0
-    widths: list[float] = []
-    drops: list[float] = []
-    for hull in reversed(hulls):
-        least += hull[0][0]
-        seconds += hull[0][1]
-        for (x0, y0), (x1, y1) in itertools.pairwise(hull):
-            widths.append(x1 - x0)
-            drops.append(y0 - y1)
-        width, drop = np.array(widths), np.array(drops)
-        order = np.argsort(-drop / np.maximum(width, 1e-300), kind="stable")
-        out.append((least, np.r_[0.0, np.cumsum(width[order])], seconds - np.r_[0.0, np.cumsum(drop[order])]))
-    out.reverse()
-    return out
-
-
-def _frontier(
-    reduced: PlanProblem, budget: float | None, *, thin: int | None = None, upper: float = np.inf
-) -> tuple[int, ...] | None:
-    """Exact dynamic program over Pareto frontiers of partial plans, layers in forward order.
-
-    A partial plan of layers ``0..i`` is summarised by its prefix of retained bytes ``S_i``,
-    the offloaded bytes of its last ``prefetch_layers`` layers (the ``tail``: they enter the
-    next layers' phases) and its objective so far: the summed extra seconds when a budget is
-    given, else the largest phase seen. Every later phase is ``S_i`` plus terms that depend
-    on layers ``0..i`` only through the tail, so of two partial plans with the same tail the
-    one with no larger ``S_i`` and no larger objective can take every continuation the other
-    can, at no larger total: the other is dropped (exact; no rounding of bytes). Each step
-    extends every surviving state by each undominated candidate, drops what breaks the
-    budget, and keeps per tail the states on the ``(S, objective)`` staircase. Ties in time
-    go to the plan that retains less.
-
-    Under a budget, a state is also dropped when its seconds plus a lower bound on what the
-    remaining layers add (``_suffix_bounds``, at the bytes the budget leaves them) exceed
-    ``upper``, the time of a plan known to fit. ``thin`` keeps at most that many states per
-    tail, spread along the staircase (its ends kept): no longer exact, but it finds a plan
-    whenever one exists, since the least-bytes state of every tail survives.
-
-    ``reduced`` holds undominated candidates only (``_reduced``); returns choices indexing
-    them, ``None`` when nothing fits; raises ``_FrontierTooLarge`` past ``FRONTIER_LIMIT``
-    states.
-    """
-    layers = reduced.layers
-    depth = reduced.prefetch_layers
-    minimise_peak = budget is None
-    base = reduced.static_bytes + reduced.backward_extra_bytes
-    after = [a + e for a, e in zip(reduced.grads_after(), reduced.extras(), strict=True)]
-    start_phase = base + reduced.nonlayer_bytes + reduced.head_transient_bytes
-    if not minimise_peak and reduced.optimizer_phase_bytes > budget:
-        return None
-    cap_start = np.inf if minimise_peak else budget - start_phase  # the bound on S_last
-    # With no negative retained bytes S only grows, so every S_i is held to that bound too.
-    growing = all(c.retained_bytes >= 0 for cs in layers for c in cs)
-    bounds = _suffix_bounds(layers) if growing and not minimise_peak else None
-    slack = 1e-9 * max(abs(upper), 1.0) if np.isfinite(upper) else 0.0
-
-    # States: prefix bytes, objective, tail id; per layer the parent state and candidate.
-    prefix = np.zeros(1)
-    score = np.full(1, -np.inf) if minimise_peak else np.zeros(1)
-    tail = np.zeros(1, dtype=np.int64)
-    tails: dict[tuple[float, ...], int] = {(0.0,) * depth: 0}
-    tail_list: list[tuple[float, ...]] = [(0.0,) * depth]
-    parents: list[np.ndarray] = []
-    picks: list[np.ndarray] = []
-    for i, candidates in enumerate(layers):
-        k = len(candidates)
-        retained = np.array([c.retained_bytes for c in candidates])
-        transient = np.array([c.transient_bytes for c in candidates])
-        # The tail after this layer: the last `depth` offloaded figures, as ids.
-        step_tail = np.empty((len(tail_list), k), dtype=np.int64)
-        for t_id, t in enumerate(tuple(tail_list)):
-            for c, candidate in enumerate(candidates):
-                key = (*t[1:], candidate.offloaded_bytes) if depth else ()
-                if key not in tails:
-                    tails[key] = len(tail_list)
-                    tail_list.append(key)
-                step_tail[t_id, c] = tails[key]
-        reloaded = np.array([sum(t) for t in tail_list])[tail]  # the tail, back for layer i
-        new_prefix = (prefix[:, None] + retained[None, :]).ravel()
-        phase = (
-            (base + reduced.other_grad_bytes + after[i] + new_prefix)
-            + np.tile(transient, len(prefix))
-            + np.repeat(reloaded, k)
-        )
-        potential = None
-        if minimise_peak:
-            new_score = np.maximum(np.repeat(score, k), phase)
-            ok = np.ones(len(new_prefix), dtype=bool)
-        else:
-            seconds = np.array([c.extra_seconds for c in candidates])
-            new_score = (score[:, None] + seconds[None, :]).ravel()
-            ok = phase <= budget
-            if growing:
-                ok &= new_prefix <= cap_start
-            if bounds is not None:
-                least, widths, times = bounds[i + 1]
-                room = cap_start - new_prefix - least
-                potential = new_score + np.interp(room, widths, times)
-                ok &= (room >= 0) & (potential <= upper + slack)
-        idx = np.flatnonzero(ok)
-        if not len(idx):
-            return None
-        next_tail = step_tail[tail].ravel()
-        # Per tail, the staircase: sorted by (tail, S, score), keep a state only when its score
-        # is below every earlier one of the same tail.
-        order = idx[np.lexsort((new_score[idx], new_prefix[idx], next_tail[idx]))]
-        sorted_tail, sorted_score = next_tail[order], new_score[order]
-        starts = np.flatnonzero(np.r_[True, sorted_tail[1:] != sorted_tail[:-1]])
-        survive = np.zeros(len(order), dtype=bool)
-        for a, b in zip(starts, [*starts[1:], len(order)], strict=True):
-            block = sorted_score[a:b]
-            stair = np.r_[True, block[1:] < np.minimum.accumulate(block)[:-1]]
-            if thin is not None and stair.sum() > thin:
-                # The least-bytes state, and the others with the best potential (seconds
-                # so far plus the bound on the rest), else an even spread.
-                steps = np.flatnonzero(stair)
-                if potential is not None:
-                    ranked = steps[1:][np.argsort(potential[order[a:b][steps[1:]]], kind="stable")]
-                    kept = np.r_[steps[0], ranked[: thin - 1]]
-                else:
-                    kept = steps[np.unique(np.linspace(0, len(steps) - 1, thin).round().astype(int))]
-                stair[:] = False
-                stair[kept] = True
-            survive[a:b] = stair
-        chosen = order[survive]
-        if len(chosen) > FRONTIER_LIMIT:
-            raise _FrontierTooLarge(f"{len(chosen)} states at layer {i}")
-        prefix, score, tail = new_prefix[chosen], new_score[chosen], next_tail[chosen]
-        parents.append(chosen // k)
-        picks.append(chosen % k)
-    if minimise_peak:
-        final = np.maximum(np.maximum(score, start_phase + prefix), reduced.optimizer_phase_bytes)
-    else:
-        final = np.where(prefix <= cap_start, score, np.inf)
-        if not np.isfinite(final).any():
-            return None
-    best = final.min()
-    tied = np.flatnonzero(final <= best + 1e-12 * max(abs(best), 1.0))
-    state = int(tied[np.argmin(prefix[tied])])
-    choices = []
-    for i in range(len(layers) - 1, -1, -1):
-        choices.append(int(picks[i][state]))
-        state = int(parents[i][state])
-    choices.reverse()
-    return tuple(choices)
-
-
 def _exact(problem: PlanProblem, budget: float | None) -> tuple[int, ...] | None:
     """The least time under ``budget`` (or, with ``None``, the least peak), exactly.
 
-    Under a budget: a beam pass (``_frontier`` with ``thin``: per tail the states with the
-    best seconds-plus-bound) finds a plan that fits, or shows none does; then the exact
-    pass drops every partial plan whose bound says it cannot beat that plan. The MILP
+    Under a budget: a beam pass (``_frontier.frontier`` with ``thin``: per tail the states
+    with the best seconds-plus-bound) finds a plan that fits, or shows none does; then the
+    exact pass drops every partial plan whose bound says it cannot beat that plan. The MILP
     answers where the frontier grows past ``FRONTIER_LIMIT``.
     """
-    reduced, keep = _reduced(problem)
+    smaller, keep = _frontier.reduced(problem)
     try:
-        choices = _frontier_search(reduced, budget)
-    except _FrontierTooLarge:
-        return _milp(problem, budget)
+        choices = _frontier.search(smaller, budget)
+    except _frontier.FrontierTooLarge:
+        return _milp.milp(problem, budget)
     if choices is None:
         return None
     return tuple(k[c] for k, c in zip(keep, choices, strict=True))
-
-
-def _frontier_search(reduced: PlanProblem, budget: float | None) -> tuple[int, ...] | None:
-    if budget is None:
-        return _frontier(reduced, None)
-    rough = _frontier(reduced, budget, thin=_THIN)
-    if rough is None:
-        return None
-    return _frontier(reduced, budget, upper=reduced.seconds(rough) - reduced.base_seconds)
-
-
-def _milp_reduced(problem: PlanProblem, budget: float | None) -> tuple[int, ...] | None:
-    """Least time under ``budget``, or (``budget=None``) least peak. ``None``: nothing fits.
-
-    Variables: one binary per (layer, candidate); S_i, the retained bytes of layers 0..i;
-    and, when minimising the peak, P. Bytes are in MiB for HiGHS.
-    """
-    sizes = [len(c) for c in problem.layers]
-    n, layers = sum(sizes), len(sizes)
-    retained = np.array([c.retained_bytes / _MIB for cs in problem.layers for c in cs])
-    transient = np.array([c.transient_bytes / _MIB for cs in problem.layers for c in cs])
-    offloaded = np.array([c.offloaded_bytes / _MIB for cs in problem.layers for c in cs])
-    starts = np.cumsum([0, *sizes])
-    seconds = np.array([c.extra_seconds for cs in problem.layers for c in cs])
-    minimise_peak = budget is None
-    width = n + layers + (1 if minimise_peak else 0)
-    s0, p_col = n, n + layers
-    static = (problem.static_bytes + problem.backward_extra_bytes) / _MIB
-    after = [(a + e) / _MIB for a, e in zip(problem.grads_after(), problem.extras(), strict=True)]
-    other = problem.other_grad_bytes / _MIB
-    cap = (budget or 0.0) / _MIB
-
-    one_hot = np.zeros((layers, width))
-    prefix = np.zeros((layers, width))
-    phase = np.zeros((layers + 1, width))
-    phase_upper = np.zeros(layers + 1)
-    start = 0
-    for i, size in enumerate(sizes):
-        block = slice(start, start + size)
-        one_hot[i, block] = 1.0
-        # S_i - S_{i-1} - retained_i = 0
-        prefix[i, s0 + i] = 1.0
-        if i:
-            prefix[i, s0 + i - 1] = -1.0
-        prefix[i, block] = -retained[block]
-        # Layer i's backward: S_i + transient_i <= cap - static - other - grads after i
-        phase[i, s0 + i] = 1.0
-        phase[i, block] = transient[block]
-        # The earlier layers prefetched while this one runs: their offloaded bytes are back.
-        for j in range(max(i - problem.prefetch_layers, 0), i):
-            earlier = slice(starts[j], starts[j + 1])
-            phase[i, earlier] = offloaded[earlier]
-        phase_upper[i] = cap - static - other - after[i]
-        start += size
-    # Backward start: S_last <= cap - static - nonlayer
-    phase[layers, s0 + layers - 1] = 1.0
-    phase_upper[layers] = cap - static - (problem.nonlayer_bytes + problem.head_transient_bytes) / _MIB
-    if minimise_peak:
-        phase[:, p_col] = -1.0  # every phase <= P, P minimised
-    constraints = [
-        LinearConstraint(one_hot, 1.0, 1.0),
-        LinearConstraint(prefix, 0.0, 0.0),
-        LinearConstraint(phase, -np.inf, phase_upper),
-    ]
-    cost = np.zeros(width)
-    if minimise_peak:
-        cost[p_col] = 1.0
-    else:
-        # Ties in time go to the plan that retains less (a weight far below any time difference).
-        span = max(float(retained.sum()), 1.0)
-        cost[:n] = seconds + max(float(np.abs(seconds).max()), 1e-9) * 1e-7 / span * retained
-    integrality = np.concatenate([np.ones(n), np.zeros(width - n)])
-    bounds = Bounds(
-        np.concatenate([np.zeros(n), np.full(width - n, -np.inf)]),
-        np.concatenate([np.ones(n), np.full(width - n, np.inf)]),
-    )
-    result = milp(
-        cost, constraints=constraints, integrality=integrality, bounds=bounds, options={"mip_rel_gap": 0}
-    )
-    if result.status == 2:  # infeasible
-        return None
-    if not result.success:
-        raise RuntimeError(
-            f"the MILP solver (scipy.optimize.milp, HiGHS) failed: {result.message} (status "
-            f"{result.status}); this is a solver problem, not a budget one: upgrade scipy and retry, "
-            "and please report it with the profile (actplan profile --json)"
-        )
-    choices = []
-    start = 0
-    for size in sizes:
-        choices.append(int(np.argmax(result.x[start : start + size])))
-        start += size
-    return tuple(choices)
 
 
 def minimum_peak(problem: PlanProblem) -> tuple[float, tuple[int, ...]]:
@@ -542,13 +231,13 @@ def solve(problem: PlanProblem, budget_bytes: float) -> Solution:
     if choices is None or problem.peak(choices) > budget_bytes * (1 + 1e-6) + 1:
         minimum, _ = minimum_peak(problem)
         top = none_peak(problem)
-        feasible = f"{_gib(minimum)} ({minimum:,.0f} bytes)" + (
-            f" up to the no-checkpoint peak {_gib(top)}" if top is not None else ""
+        feasible = f"{human_bytes(minimum)} ({minimum:,.0f} bytes)" + (
+            f" up to the no-checkpoint peak {human_bytes(top)}" if top is not None else ""
         )
         raise BudgetError(
-            f"no plan fits a budget of {_gib(budget_bytes)}: predicted peaks range from {feasible}. "
-            f"Parameters and optimizer state take {_gib(problem.static_bytes)} and the optimizer "
-            f"step {_gib(problem.optimizer_phase_bytes)}, whatever the plan. Raise the budget to at "
+            f"no plan fits a budget of {human_bytes(budget_bytes)}: predicted peaks range from {feasible}. "
+            f"Parameters and optimizer state take {human_bytes(problem.static_bytes)} and the optimizer "
+            f"step {human_bytes(problem.optimizer_phase_bytes)}, whatever the plan. Raise the budget to at "
             "least the minimum, or add cheaper choices (offload)"
         )
     return Solution(
@@ -594,7 +283,7 @@ def front_table(front: Sequence[Solution], base_seconds: float, top_peak: float 
         share = f"{s.predicted_peak_bytes / top_peak:.0%}" if top_peak else "-"
         rows.append(
             (
-                _gib(s.predicted_peak_bytes),
+                human_bytes(s.predicted_peak_bytes),
                 share,
                 f"{s.predicted_seconds / base_seconds:.3f}x",
                 plan_summary(s.names),
@@ -651,7 +340,3 @@ def parse_budget(text: str | int | float, none_peak_bytes: float | None = None) 
     if value <= 0:
         raise BudgetError(f"budget {text!r} must be positive")
     return float(value)
-
-
-def _gib(nbytes: float) -> str:
-    return f"{nbytes / 2**30:.3f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"

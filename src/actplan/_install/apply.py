@@ -20,7 +20,8 @@ from actplan._engine.boundary import (
     checkpoint_state,
     remove_gradient_checkpointing,
 )
-from actplan._engine.offload import OffloadEngine, apply_offload, is_offloaded, remove_offload
+from actplan._engine.offload import OffloadEngine
+from actplan._engine.offload_wrapper import apply_offload, is_offloaded, remove_offload
 from actplan._engine.policy import IntervalPolicy
 from actplan._install.plan import LayerPlan, LayerSpec, Plan, format_indices, resolve_plan
 from actplan.config import ConfigError, RecomputeConfig
@@ -43,8 +44,8 @@ def _installed(model: nn.Module, attr: str) -> Any:
 
 
 def interval_map_of(module: nn.Module) -> RecomputeIntervalMap | None:
-    """The ``RecomputeIntervalMap`` a module declares (or, for a Hugging Face decoder layer,
-    its built-in or derived one), or ``None``."""
+    """The ``RecomputeIntervalMap`` a module declares, else the one a registered integration
+    gives for it (for a Hugging Face decoder layer, its built-in or derived map), else ``None``."""
     declared = getattr(module, "recompute_intervals", None)
     if isinstance(declared, RecomputeIntervalMap):
         return declared
@@ -66,8 +67,8 @@ def find_layers(model: nn.Module, layouts: integrations.Layouts | None = None) -
 def _layers_with_maps(
     model: nn.Module, layouts: integrations.Layouts | None
 ) -> list[tuple[str, nn.Module, RecomputeIntervalMap]]:
-    # Layers of an integration's framework (Hugging Face decoder layers): a layout given here,
-    # else a declaration already made (perhaps with other layouts), else its own map.
+    # Layers of an integration's framework: a layout given here, else a declaration already
+    # made (perhaps with other layouts), else the integration's own map.
     from_source: dict[int, RecomputeIntervalMap | None] = {}
     for source in integrations.recognising(model):
         from_source.update(source.layer_maps(model, layouts))
@@ -151,8 +152,7 @@ def apply(
     Returns the installed ``Plan``.
     """
     sources = integrations.recognising(model)
-    saved = {name: layout for source in sources for name, layout in source.saved_layouts(model).items()}
-    layouts = {**saved, **(layouts or {})} or None
+    layouts = _with_saved_layouts(model, sources, layouts)
     plan = plan_for(model, config, layouts)
     remove(model)
     for source in sources:
@@ -161,40 +161,62 @@ def apply(
         (layer_plan, module)
         for layer_plan, (_, module) in zip(plan.layers, find_layers(model, layouts), strict=True)
     ]
-    engine = None
-    offload = plan.config.offload
-    if offload is not None:
-        engine = OffloadEngine(
-            min_bytes=offload.min_bytes, host_cap_bytes=offload.host_cap, prefetch=offload.prefetch
-        )
-        engine.attach(model)
-        model.__dict__[_ENGINE_ATTR] = _Installed(engine)
+    engine = _attach_offload_engine(model, plan)
     policies = _shared_policies(layers, engine)
     for layer_plan, module in layers:
-        name = f"{layer_plan.name} ({layer_plan.class_name})"
-        if layer_plan.checkpointed:
-            policy = policies.get(_policy_key(layer_plan, module))
-            check = None
-            if policy is None and (interval_map := interval_map_of(module)) is not None:
-                # Full recompute decides nothing by markers, but wrong ones are still an error.
-                check = IntervalPolicy(interval_map, (), layer_name=name).marker_checker
-            apply_gradient_checkpointing(
-                module, policy=policy, owner=layer_plan, name=name, marker_check=check
-            )
-        if layer_plan.offloads:
-            # Kept units of a selective layer move through its policy; this wrapper owns the
-            # layer's group, its input, and the units of a layer that is not checkpointed.
-            apply_offload(
-                module,
-                engine,
-                name=name,
-                layer_input=layer_plan.offload_input,
-                intervals=layer_plan.offload_intervals if not layer_plan.checkpointed else (),
-                what=layer_plan.describe_offload(),
-                position=layer_plan.index,
-            )
+        _install_layer(layer_plan, module, policies, engine)
     model.__dict__[_PLAN_ATTR] = _Installed(plan)
     return plan
+
+
+def _with_saved_layouts(
+    model: nn.Module, sources: list[integrations.LayerSource], layouts: integrations.Layouts | None
+) -> integrations.Layouts | None:
+    """``layouts`` over those an earlier install gave the recognising integrations (None if none)."""
+    saved = {name: layout for source in sources for name, layout in source.saved_layouts(model).items()}
+    return {**saved, **(layouts or {})} or None
+
+
+def _attach_offload_engine(model: nn.Module, plan: Plan) -> OffloadEngine | None:
+    """The ``OffloadEngine`` for a config with ``offload``, attached to ``model``; else None."""
+    offload = plan.config.offload
+    if offload is None:
+        return None
+    engine = OffloadEngine(
+        min_bytes=offload.min_bytes, host_cap_bytes=offload.host_cap, prefetch=offload.prefetch
+    )
+    engine.attach(model)
+    model.__dict__[_ENGINE_ATTR] = _Installed(engine)
+    return engine
+
+
+def _install_layer(
+    layer_plan: LayerPlan,
+    module: nn.Module,
+    policies: dict[tuple, IntervalPolicy],
+    engine: OffloadEngine | None,
+) -> None:
+    """Wrap one layer as its plan says: the checkpoint wrapper, then the offload wrapper."""
+    name = f"{layer_plan.name} ({layer_plan.class_name})"
+    if layer_plan.checkpointed:
+        policy = policies.get(_policy_key(layer_plan, module))
+        check = None
+        if policy is None and (interval_map := interval_map_of(module)) is not None:
+            # Full recompute decides nothing by markers, but wrong ones are still an error.
+            check = IntervalPolicy(interval_map, (), layer_name=name).marker_checker
+        apply_gradient_checkpointing(module, policy=policy, owner=layer_plan, name=name, marker_check=check)
+    if layer_plan.offloads:
+        # Kept units of a selective layer move through its policy; this wrapper owns the
+        # layer's group, its input, and the units of a layer that is not checkpointed.
+        apply_offload(
+            module,
+            engine,
+            name=name,
+            layer_input=layer_plan.offload_input,
+            intervals=layer_plan.offload_intervals if not layer_plan.checkpointed else (),
+            what=layer_plan.describe_offload(),
+            position=layer_plan.index,
+        )
 
 
 def offload_engine(model: nn.Module) -> OffloadEngine | None:

@@ -11,13 +11,13 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from actplan.config import (
-    PRESETS,
     ConfigError,
     LayerOverride,
     Mode,
     OffloadConfig,
     RecomputeChoice,
     RecomputeConfig,
+    preset_kept_units,
 )
 from actplan.units import ROUTING_UNITS, MarkerInterval, RecomputeIntervalMap, RecomputeUnit
 
@@ -185,47 +185,11 @@ def _with_offload(
     layers: tuple[LayerPlan, ...], specs: tuple[LayerSpec, ...], offload: OffloadConfig
 ) -> tuple[LayerPlan, ...]:
     """Add the offload choices; a choice that would move nothing in a layer is an error."""
-    if offload.layers is not None:
-        try:
-            selected = offload.layers.resolve(len(specs))
-        except ConfigError as err:
-            raise ConfigError(f"offload.layers: {err}") from None
-    else:
-        skip = offload.skipped_last_layers
-        selected = tuple(range(len(specs) - skip))
-        if not selected:
-            raise ConfigError(
-                f"offload skips the last {skip} layer(s) by default, which leaves none of this model's "
-                f"{len(specs)} layer(s); set offload.skip_last: 0 or select layers with offload.layers"
-            )
+    selected = _offload_selection(offload, len(specs))
     out = list(layers)
     for index in selected:
         layer, spec = layers[index], specs[index]
-        where = f"offload: layer {index} ({layer.name}, {layer.class_name})"
-        if offload.layer_input and not layer.checkpointed:
-            raise ConfigError(
-                f"{where} is not checkpointed, so there is no saved layer input to offload (its first "
-                "ops save their own inputs); offload the units that read it instead (e.g. attn_norm), "
-                "checkpoint the layer, or narrow offload.layers"
-            )
-        if offload.units == "kept":
-            # Whatever each layer keeps; a layer keeping nothing is fine if another keeps units.
-            units = layer.kept_units
-        else:
-            _require_declared(offload.units, "offload.units", spec)
-            units = tuple(u for u in spec.interval_map.units if u in offload.units)
-            if units and layer.mode == "full":
-                raise ConfigError(
-                    f"{where} is fully recomputed: it saves no unit outputs, only its input, so "
-                    f"offloading {', '.join(u.value for u in units)} would do nothing; use "
-                    "layer_input: true, keep those units (mode: selective), or narrow offload.layers"
-                )
-            recomputed = [u.value for u in units if layer.mode == "selective" and u not in layer.kept_units]
-            if recomputed:
-                raise ConfigError(
-                    f"{where} recomputes {', '.join(recomputed)}, so nothing of it is saved to offload; "
-                    "keep those units there or drop them from offload.units"
-                )
+        units = _offloaded_units(layer, spec, offload)
         out[index] = replace(
             layer,
             offload_units=units,
@@ -243,6 +207,52 @@ def _with_offload(
             "kept units, list units, or offload layer_input"
         )
     return tuple(out)
+
+
+def _offload_selection(offload: OffloadConfig, num_layers: int) -> tuple[int, ...]:
+    """The layers ``offload.layers`` selects, else every layer but the last ``skip_last``."""
+    if offload.layers is not None:
+        try:
+            return offload.layers.resolve(num_layers)
+        except ConfigError as err:
+            raise ConfigError(f"offload.layers: {err}") from None
+    skip = offload.skipped_last_layers
+    selected = tuple(range(num_layers - skip))
+    if not selected:
+        raise ConfigError(
+            f"offload skips the last {skip} layer(s) by default, which leaves none of this model's "
+            f"{num_layers} layer(s); set offload.skip_last: 0 or select layers with offload.layers"
+        )
+    return selected
+
+
+def _offloaded_units(layer: LayerPlan, spec: LayerSpec, offload: OffloadConfig) -> tuple[RecomputeUnit, ...]:
+    """The units one selected layer offloads; an error if what offload asks of it would move nothing."""
+    where = f"offload: layer {layer.index} ({layer.name}, {layer.class_name})"
+    if offload.layer_input and not layer.checkpointed:
+        raise ConfigError(
+            f"{where} is not checkpointed, so there is no saved layer input to offload (its first "
+            "ops save their own inputs); offload the units that read it instead (e.g. attn_norm), "
+            "checkpoint the layer, or narrow offload.layers"
+        )
+    if offload.units == "kept":
+        # Whatever each layer keeps; a layer keeping nothing is fine if another keeps units.
+        return layer.kept_units
+    _require_declared(offload.units, "offload.units", spec)
+    units = tuple(u for u in spec.interval_map.units if u in offload.units)
+    if units and layer.mode == "full":
+        raise ConfigError(
+            f"{where} is fully recomputed: it saves no unit outputs, only its input, so "
+            f"offloading {', '.join(u.value for u in units)} would do nothing; use "
+            "layer_input: true, keep those units (mode: selective), or narrow offload.layers"
+        )
+    recomputed = [u.value for u in units if layer.mode == "selective" and u not in layer.kept_units]
+    if recomputed:
+        raise ConfigError(
+            f"{where} recomputes {', '.join(recomputed)}, so nothing of it is saved to offload; "
+            "keep those units there or drop them from offload.units"
+        )
+    return units
 
 
 def _with_routing(layer: LayerPlan, spec: LayerSpec, save_collectives: bool | str) -> LayerPlan:
@@ -305,11 +315,7 @@ def _kept_units(choice: RecomputeChoice, field_prefix: str, spec: LayerSpec) -> 
     declared = spec.interval_map.units
     if choice.preset is not None:
         # A preset names a category; units this layer lacks are simply not there to keep.
-        preset = PRESETS[choice.preset]
-        if preset.kept_units is not None:
-            return tuple(u for u in declared if u in preset.kept_units)
-        recomputed = preset.recomputed_units or ()
-        return tuple(u for u in declared if u not in recomputed)
+        return preset_kept_units(choice.preset, declared)
     if choice.recompute is not None:
         _require_declared(choice.recompute, f"{field_prefix}recompute", spec)
         return tuple(u for u in declared if u not in choice.recompute)

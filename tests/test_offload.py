@@ -14,14 +14,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 import actplan
-from actplan._engine.offload import (
-    HostPool,
-    OffloadedTensorMutatedError,
-    OffloadEngine,
-    _Handle,
-    _Moved,
-    size_class,
-)
+from actplan._engine.host_pool import HostPool, size_class
+from actplan._engine.offload import OffloadedTensorMutatedError, OffloadEngine, _Handle, _Moved
 from actplan.config import ConfigError
 from actplan.markers import checkpoint_record
 from actplan.measure import MemoryMeter, capture_step, compare_steps

@@ -242,6 +242,23 @@ class RecomputeIntervalMap(Mapping[RecomputeUnit, tuple[MarkerInterval, ...]]):
         raise KeyError(str(interval))
 
 
+MarkerIndex = dict[str, tuple[MarkerInterval, ...]]
+
+
+def marker_index(intervals: Iterable[MarkerInterval]) -> tuple[MarkerIndex, MarkerIndex]:
+    """For each marker, the intervals that open at it and the intervals that close at it, each in
+    the order ``intervals`` gives them: what a marker sink looks up on every marker event."""
+    opens: dict[str, list[MarkerInterval]] = {}
+    closes: dict[str, list[MarkerInterval]] = {}
+    for span in intervals:
+        opens.setdefault(span.start, []).append(span)
+        closes.setdefault(span.end, []).append(span)
+    return (
+        {marker: tuple(spans) for marker, spans in opens.items()},
+        {marker: tuple(spans) for marker, spans in closes.items()},
+    )
+
+
 def parse_unit(value: RecomputeUnit | str) -> RecomputeUnit:
     """Return the ``RecomputeUnit`` for ``value``; unknown names get an error listing valid ones."""
     if isinstance(value, RecomputeUnit):

@@ -217,6 +217,22 @@ def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     return checkpoint(_call_with_keywords, run, tuple(kwargs), *args, *kwargs.values(), **options)
 
 
+def _check_wrappable(module: Any, context_fn: Any, policy: Any, marker_check: Any) -> None:
+    """Refuse what ``apply_gradient_checkpointing`` cannot wrap: a non-module, an already wrapped
+    module, or arguments that contradict each other."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"apply_gradient_checkpointing expects an nn.Module, got {type(module).__name__}")
+    if context_fn is not None and policy is not None:
+        raise ValueError("give either context_fn or policy, not both: a policy brings its own context_fn")
+    if marker_check is not None and policy is not None:
+        raise ValueError("give marker_check only without a policy: a policy checks the markers itself")
+    if is_checkpointed(module):
+        raise ValueError(
+            f"{type(module).__name__} is already checkpointed by actplan; call "
+            "remove_gradient_checkpointing(module) before wrapping it again"
+        )
+
+
 def apply_gradient_checkpointing(
     module: nn.Module,
     *,
@@ -254,17 +270,7 @@ def apply_gradient_checkpointing(
     gradient, runs without checkpointing (no replay, detached outputs).
     Raises ``ValueError`` if the module is already wrapped.
     """
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"apply_gradient_checkpointing expects an nn.Module, got {type(module).__name__}")
-    if context_fn is not None and policy is not None:
-        raise ValueError("give either context_fn or policy, not both: a policy brings its own context_fn")
-    if marker_check is not None and policy is not None:
-        raise ValueError("give marker_check only without a policy: a policy checks the markers itself")
-    if is_checkpointed(module):
-        raise ValueError(
-            f"{type(module).__name__} is already checkpointed by actplan; call "
-            "remove_gradient_checkpointing(module) before wrapping it again"
-        )
+    _check_wrappable(module, context_fn, policy, marker_check)
     previous = module.__dict__.get("forward")
     setattr(
         module,

@@ -1,11 +1,12 @@
 """Saved-tensor offload: move chosen saved activations to a host tier in forward, reload them in backward.
 
-``OffloadEngine`` owns the host tier (a ``HostPool``), the copy streams and the per-step
-bookkeeping. It reaches saved tensors two ways:
+``OffloadEngine`` owns the host tier (a ``host_pool.HostPool``), the copy back-ends and the
+per-step bookkeeping. It reaches saved tensors two ways:
 
-* autograd's ``saved_tensors_hooks``, installed around a layer by ``apply_offload``: the
-  input a checkpointed layer saves (``layer_input``) and, in a layer that is not
-  checkpointed, whatever autograd saves while an offloaded unit's interval is open;
+* autograd's ``saved_tensors_hooks``, installed around a layer by
+  ``offload_wrapper.apply_offload``: the input a checkpointed layer saves (``layer_input``)
+  and, in a layer that is not checkpointed, whatever autograd saves while an offloaded
+  unit's interval is open;
 * the outputs a checkpointed layer's kept units hold (``scoped.ScopedRegion`` hands them
   over when the layer's forward ends, in the group ``current_group`` names).
 
@@ -14,8 +15,7 @@ and prefetches the groups that ran just before it in forward. Storages are moved
 however many views or layers save them. On CUDA, copies run on their own streams and
 every hand-off between streams is guarded by an event; elsewhere the same code runs with
 synchronous copies into a separate host pool, so everything except overlap is testable
-on a CPU. Imports: ``markers`` (for the marker sink), ``sizes``, and ``boundary`` for the
-instance-forward helpers both layer wrappers share; plus torch.
+on a CPU. Imports: ``host_pool``, ``sizes``, ``_storage``; plus torch.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ import contextlib
 import threading
 import warnings
 import weakref
-from collections import defaultdict, deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -33,23 +32,13 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import _disable_current_modes
-from torch.utils._pytree import tree_leaves
 
-from actplan._engine.boundary import InstanceForward, RuntimeOnly, inner_forward, restore_forward
-from actplan.markers import routing_markers
+from actplan._engine.host_pool import HostBuffer, HostPool, StreamCopies, SyncCopies, event_done
+from actplan._storage import owned_storages, storage_keys
 from actplan.sizes import DEFAULT_HOST_CAP_BYTES, DEFAULT_OFFLOAD_MIN_BYTES
 
-__all__ = [
-    "HostPool",
-    "OffloadEngine",
-    "OffloadStats",
-    "OffloadedTensorMutatedError",
-    "apply_offload",
-    "is_offloaded",
-    "remove_offload",
-]
+__all__ = ["OffloadEngine", "OffloadStats", "OffloadedTensorMutatedError", "quiet_empty_offload"]
 
-_STATE_ATTR = "_actplan_offload"
 _MOVED_NOTHING = "moved nothing in this call"
 
 
@@ -65,262 +54,6 @@ def quiet_empty_offload() -> Iterator[None]:
 
 class OffloadedTensorMutatedError(RuntimeError):
     """A saved tensor was changed in place after it was offloaded (autograd would also refuse it)."""
-
-
-# ---------------------------------------------------------------------------------------------
-# Host tier
-# ---------------------------------------------------------------------------------------------
-
-
-def size_class(nbytes: int) -> int:
-    """Round ``nbytes`` up to its pool size class: eight classes per power of two, in steps of
-    at least 512 B.
-
-    Reusing buffers by class keeps the pool's reserved bytes flat across steps while wasting
-    less than an eighth of a request (or 512 B, for small ones).
-    """
-    if nbytes <= 512:
-        return 512
-    step = max((1 << (nbytes.bit_length() - 1)) >> 3, 512)
-    return -(-nbytes // step) * step
-
-
-@dataclass
-class HostBuffer:
-    """A host-tier buffer of at least ``nbytes``; ``pooled`` is false for fallback allocations."""
-
-    tensor: torch.Tensor
-    nbytes: int
-    pooled: bool
-    pinned: bool
-
-
-def _done(event: Any) -> bool:
-    return event is None or event.query()
-
-
-def _wait(event: Any) -> None:
-    if event is not None:
-        event.synchronize()
-
-
-class HostPool:
-    """Host-tier buffers with a byte cap, reused by size class.
-
-    Args:
-        cap_bytes: most bytes the pool reserves. Past it, a request evicts idle buffers of
-            other classes, and if that is not enough it is served by a one-off pageable
-            allocation outside the pool (a *fallback*, warned about once and counted).
-        pin: page-lock buffers (CUDA); a pinning failure falls back to pageable memory.
-
-    A released buffer carries the event of the last copy that reads or writes it; it is
-    reused only once that event has completed.
-    """
-
-    def __init__(self, cap_bytes: int, *, pin: bool) -> None:
-        if cap_bytes <= 0:
-            raise ValueError(
-                f"host pool cap must be positive, got {cap_bytes} bytes; pass a cap of at least one "
-                "byte (offload.host_cap in a config, e.g. '16GiB')"
-            )
-        self.cap_bytes = cap_bytes
-        self.pin = pin
-        self._free: dict[int, list[tuple[torch.Tensor, Any]]] = defaultdict(list)
-        self._lock = threading.Lock()
-        # Releases wait here until someone holds the lock: a release can come from a finalizer
-        # (``_Moved.__del__``) that a garbage collection runs inside ``acquire``, on the thread
-        # that already holds the lock. deque.append is atomic, so it needs no lock of its own.
-        self._released: deque[tuple[HostBuffer, Any]] = deque()
-        self.reserved_bytes = 0
-        self._in_use_bytes = 0
-        self.peak_in_use_bytes = 0
-        self._fallback_bytes_in_use = 0
-        self.fallbacks = 0
-        self.pin_failures = 0
-        self.acquires = 0
-        self.reuses = 0
-        self._warned: set[str] = set()
-
-    def acquire(self, nbytes: int) -> HostBuffer:
-        size = size_class(nbytes)
-        with self._lock:
-            try:
-                return self._acquire_locked(nbytes, size)
-            finally:
-                # Releases queued while the lock was held (by a finalizer run during allocation).
-                self._apply_releases()
-
-    def _acquire_locked(self, nbytes: int, size: int) -> HostBuffer:
-        self._apply_releases()
-        self.acquires += 1
-        free = self._free.get(size)
-        while free:
-            tensor, event = free.pop()
-            _wait(event)
-            self.reuses += 1
-            return self._hand_out(HostBuffer(tensor, nbytes, pooled=True, pinned=self.pin))
-        if self.reserved_bytes + size > self.cap_bytes:
-            self._evict(self.reserved_bytes + size - self.cap_bytes)
-        if self.reserved_bytes + size > self.cap_bytes:
-            self.fallbacks += 1
-            self._warn_once(
-                "cap",
-                f"actplan offload: the host pool cap ({self.cap_bytes:,} bytes) is full, so a "
-                f"{nbytes:,}-byte tensor goes to a one-off pageable buffer (slower copies, host "
-                "memory outside the cap). Raise offload.host_cap or offload fewer tensors.",
-            )
-            return self._hand_out(HostBuffer(self._allocate(size, pin=False), nbytes, False, False))
-        tensor, pinned = self._allocate_pooled(size)
-        self.reserved_bytes += size
-        return self._hand_out(HostBuffer(tensor, nbytes, pooled=True, pinned=pinned))
-
-    def release(self, buffer: HostBuffer, event: Any = None) -> None:
-        """Return ``buffer``; it is reused after ``event`` (its last copy) completes.
-
-        Safe to call from a finalizer, on any thread, also while this thread is inside
-        ``acquire``: it never waits for the pool's lock. The release is queued and applied
-        by whoever holds the lock next (this call, if the lock is free).
-        """
-        self._released.append((buffer, event))
-        if self._lock.acquire(blocking=False):
-            try:
-                self._apply_releases()
-            finally:
-                self._lock.release()
-
-    def trim(self) -> int:
-        """Drop every idle buffer; returns the bytes given back."""
-        with self._lock:
-            self._apply_releases()
-            return self._evict(self.reserved_bytes)
-
-    @property
-    def in_use_bytes(self) -> int:
-        """Bytes handed out and not yet released (pooled and fallback buffers)."""
-        self._settle()
-        return self._in_use_bytes
-
-    @property
-    def fallback_bytes_in_use(self) -> int:
-        """Bytes of one-off pageable buffers handed out past the cap and not yet released."""
-        self._settle()
-        return self._fallback_bytes_in_use
-
-    def _settle(self) -> None:
-        if self._released:
-            with self._lock:
-                self._apply_releases()
-
-    def _apply_releases(self) -> None:
-        # Called with the lock held.
-        while self._released:
-            buffer, event = self._released.popleft()
-            size = buffer.tensor.numel()
-            self._in_use_bytes -= size
-            if not buffer.pooled:
-                self._fallback_bytes_in_use -= size
-            else:
-                self._free[size].append((buffer.tensor, event))
-
-    def _hand_out(self, buffer: HostBuffer) -> HostBuffer:
-        size = buffer.tensor.numel()
-        self._in_use_bytes += size
-        self.peak_in_use_bytes = max(self.peak_in_use_bytes, self._in_use_bytes)
-        if not buffer.pooled:
-            self._fallback_bytes_in_use += size
-        return buffer
-
-    def _evict(self, wanted: int) -> int:
-        freed = 0
-        for size in sorted(self._free, reverse=True):
-            entries = self._free[size]
-            while entries and freed < wanted:
-                _, event = entries.pop()
-                _wait(event)
-                self.reserved_bytes -= size
-                freed += size
-        return freed
-
-    def _allocate_pooled(self, size: int) -> tuple[torch.Tensor, bool]:
-        if not self.pin:
-            return self._allocate(size, pin=False), False
-        try:
-            return self._allocate(size, pin=True), True
-        except RuntimeError as err:
-            self.pin_failures += 1
-            self._warn_once(
-                "pin",
-                f"actplan offload: pinning a {size:,}-byte host buffer failed ({err}); using pageable "
-                "memory, so copies will not overlap compute. Lower offload.host_cap.",
-            )
-            return self._allocate(size, pin=False), False
-
-    @staticmethod
-    def _allocate(size: int, *, pin: bool) -> torch.Tensor:
-        # Host-tier memory is not device memory: keep it out of any dispatch-mode meter.
-        with _disable_current_modes():
-            return torch.empty(size, dtype=torch.uint8, device="cpu", pin_memory=pin)
-
-    def _warn_once(self, key: str, message: str) -> None:
-        if key not in self._warned:
-            self._warned.add(key)
-            warnings.warn(message, stacklevel=4)
-
-
-# ---------------------------------------------------------------------------------------------
-# Copies: CUDA streams and events, or synchronous copies
-# ---------------------------------------------------------------------------------------------
-
-
-class _StreamCopies:
-    """Device-to-host and host-to-device copies on their own CUDA streams."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.out_stream = torch.cuda.Stream(device)
-        self.in_stream = torch.cuda.Stream(device)
-
-    def copy_out(self, source: torch.Tensor, host: torch.Tensor) -> Any:
-        # The copy starts after everything queued so far on the compute stream produced `source`.
-        self.out_stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.out_stream):
-            host.copy_(source, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(self.out_stream)
-        return event
-
-    def copy_in(self, host: torch.Tensor, target: torch.Tensor, after: Any) -> Any:
-        # `target` was just allocated on the compute stream: start once that stream gets here,
-        # and once the copy-out that filled `host` has finished.
-        self.in_stream.wait_stream(torch.cuda.current_stream(self.device))
-        if after is not None:
-            self.in_stream.wait_event(after)
-        with torch.cuda.stream(self.in_stream):
-            target.copy_(host, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(self.in_stream)
-        return event
-
-    def use(self, event: Any) -> None:
-        """Make the compute stream wait for ``event`` before it reads the reloaded tensor."""
-        if event is not None:
-            torch.cuda.current_stream(self.device).wait_event(event)
-
-
-class _SyncCopies:
-    """Copies that complete before they return (CPU, or a device without streams)."""
-
-    @staticmethod
-    def copy_out(source: torch.Tensor, host: torch.Tensor) -> None:
-        host.copy_(source)
-
-    @staticmethod
-    def copy_in(host: torch.Tensor, target: torch.Tensor, after: Any) -> None:
-        target.copy_(host)
-
-    @staticmethod
-    def use(event: Any) -> None:
-        pass
 
 
 # ---------------------------------------------------------------------------------------------
@@ -387,7 +120,7 @@ class _Moved:
         self.host = None
 
     def release_source_if_copied(self) -> bool:
-        if self.source is not None and _done(self.copy_out):
+        if self.source is not None and event_done(self.copy_out):
             self.mutated = self.source._version != self.version
             self.source = None
         return self.source is None
@@ -541,13 +274,13 @@ class OffloadEngine:
         storages of ``also_skip`` (tensors that are not activations, such as a parent
         model's buffers when one layer runs on its own)."""
         self._model = weakref.ref(model)
-        self._always_skip = {t.untyped_storage()._cdata for t in also_skip}
+        self._always_skip = storage_keys(also_skip)
         self._skip_storages = set(self._always_skip)
 
     def _copies_for(self, device: torch.device) -> Any:
         copies = self._copies.get(device)
         if copies is None:
-            copies = _StreamCopies(device) if device.type == "cuda" else _SyncCopies()
+            copies = StreamCopies(device) if device.type == "cuda" else SyncCopies()
             self._copies[device] = copies
         return copies
 
@@ -578,7 +311,7 @@ class OffloadEngine:
         model = self._model() if self._model is not None else None
         self._skip_storages = set(self._always_skip)
         if model is not None:
-            self._skip_storages.update(b.untyped_storage()._cdata for b in model.buffers())
+            self._skip_storages.update(owned_storages(model, parameters=False))
 
     def offload(self, tensor: torch.Tensor, group: _Group) -> torch.Tensor | _Handle:
         """Move ``tensor``'s storage to the host tier (once per storage); return its handle,
@@ -712,131 +445,3 @@ class OffloadEngine:
 
 def _unpack(saved: Any) -> Any:
     return saved.materialize() if isinstance(saved, _Handle) else saved
-
-
-# ---------------------------------------------------------------------------------------------
-# The layer wrapper
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass
-class OffloadState(RuntimeOnly):
-    """What ``apply_offload`` installed on a layer (not pickled)."""
-
-    engine: OffloadEngine
-    name: str
-    layer_input: bool
-    # Intervals whose saved tensors move out, in a layer that is not checkpointed.
-    opens: dict[str, tuple[Any, ...]]
-    closes: dict[str, tuple[Any, ...]]
-    what: str
-    previous_forward: Callable[..., Any] | None
-    position: int | None = None
-
-
-class _OpenUnits:
-    """Follows a non-checkpointed layer's markers: is an offloaded interval open?"""
-
-    __slots__ = ("closes", "open", "opens")
-
-    def __init__(self, opens: dict[str, tuple[Any, ...]], closes: dict[str, tuple[Any, ...]]) -> None:
-        self.opens, self.closes = opens, closes
-        self.open: set[Any] = set()
-
-    def on_marker(self, marker: str) -> None:
-        for span in self.closes.get(marker, ()):
-            self.open.discard(span)
-        for span in self.opens.get(marker, ()):
-            self.open.add(span)
-
-
-def _offloaded_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    state: OffloadState = getattr(self, _STATE_ATTR)
-    inner = inner_forward(self, state.previous_forward)
-    if not torch.is_grad_enabled():
-        return inner(*args, **kwargs)
-    if torch.compiler.is_compiling():
-        raise RuntimeError(
-            f"{state.name}: actplan offload runs in eager mode only; remove `offload` from the "
-            "config of compiled layers, or do not compile them"
-        )
-    engine = state.engine
-    group = engine.begin_group(state.name, id(self), state.position)
-    engine._local.group = group
-    try:
-        if state.layer_input:
-            inputs = {
-                t.untyped_storage()._cdata for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
-            }
-
-            def select(tensor: torch.Tensor) -> bool:
-                return tensor.untyped_storage()._cdata in inputs
-
-            with engine.saved_tensor_hooks(group, select):
-                out = inner(*args, **kwargs)
-        else:
-            units = _OpenUnits(state.opens, state.closes)
-            with (
-                engine.saved_tensor_hooks(group, lambda tensor: bool(units.open)),
-                routing_markers(units.on_marker),
-            ):
-                out = inner(*args, **kwargs)
-    finally:
-        engine._local.group = None
-    engine.end_group(group, state.what)
-    return out
-
-
-def apply_offload(
-    module: nn.Module,
-    engine: OffloadEngine,
-    *,
-    name: str,
-    layer_input: bool = False,
-    intervals: Iterable[Any] = (),
-    what: str = "saved tensors",
-    position: int | None = None,
-) -> nn.Module:
-    """Offload what ``module`` saves for backward through ``engine``.
-
-    ``layer_input``: the input a checkpointed layer saves (wrap after
-    ``apply_gradient_checkpointing``). ``intervals``: in a layer that is *not* checkpointed,
-    the tensors autograd saves while one of these intervals is open. Kept units of a
-    selectively checkpointed layer are offloaded by its policy instead. ``position``: the
-    layer's index in the model, for prefetch distances. Undo with ``remove_offload``.
-    """
-    if is_offloaded(module):
-        raise ValueError(f"{name} already has an offload wrapper; call remove_offload(module) first")
-    spans = tuple(intervals)
-    opens: dict[str, list[Any]] = defaultdict(list)
-    closes: dict[str, list[Any]] = defaultdict(list)
-    for span in spans:
-        opens[span.start].append(span)
-        closes[span.end].append(span)
-    previous = module.__dict__.get("forward")
-    module.__dict__[_STATE_ATTR] = OffloadState(
-        engine=engine,
-        name=name,
-        layer_input=layer_input,
-        opens={m: tuple(v) for m, v in opens.items()},
-        closes={m: tuple(v) for m, v in closes.items()},
-        what=what,
-        previous_forward=previous,
-        position=position,
-    )
-    module.forward = InstanceForward(_offloaded_forward, module, previous)
-    return module
-
-
-def is_offloaded(module: nn.Module) -> bool:
-    # A loaded copy of a pickled offloading module holds None here: it is not wrapped.
-    return module.__dict__.get(_STATE_ATTR) is not None
-
-
-def remove_offload(module: nn.Module) -> bool:
-    """Undo ``apply_offload``; returns whether the module was wrapped."""
-    state = module.__dict__.pop(_STATE_ATTR, None)
-    if state is None:
-        return False
-    restore_forward(module, state.previous_forward)
-    return True

@@ -11,7 +11,7 @@ out one region per checkpointed call:
   AOTAutograd's partitioner, which saves what the backward graph reads.
 
 Both follow the layer's markers with the same state machine (``region.MarkerState``).
-Imports point down to ``units``, ``markers``, ``ops``, ``region`` and ``scoped``.
+Imports point down to ``units``, ``markers``, ``ops``, ``region``, ``held`` and ``scoped``.
 """
 
 from __future__ import annotations
@@ -19,16 +19,16 @@ from __future__ import annotations
 import functools
 import warnings
 import weakref
-from collections import defaultdict
 from collections.abc import Callable, Iterable
 from typing import Any
 
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
+from actplan._engine.held import HeldReport, LearntLayout
 from actplan._engine.ops import ROUTING_OPS, UNINITIALIZED_OPS
 from actplan._engine.region import KeptTensorMutatedError, MarkerError, MarkerState, TracedRegion
-from actplan._engine.scoped import HeldReport, LearntLayout, ScopedRegion
-from actplan.units import MarkerInterval, RecomputeIntervalMap
+from actplan._engine.scoped import ScopedRegion
+from actplan.units import MarkerInterval, RecomputeIntervalMap, marker_index
 
 __all__ = [
     "ROUTING_OPS",
@@ -94,13 +94,7 @@ class IntervalPolicy:
         self.save_collectives = save_collectives
         self.offload_intervals = offloaded
         self.offloader = offloader
-        opens: dict[str, list[MarkerInterval]] = defaultdict(list)
-        closes: dict[str, list[MarkerInterval]] = defaultdict(list)
-        for span in declared:
-            opens[span.start].append(span)
-            closes[span.end].append(span)
-        self._opens = {m: tuple(v) for m, v in opens.items()}
-        self._closes = {m: tuple(v) for m, v in closes.items()}
+        self._opens, self._closes = marker_index(declared)
         self._warned_idle: set[MarkerInterval] = set()
         # Kept intervals that ran in any layer sharing this policy (a consumer layer
         # may legitimately skip what its source layer runs).

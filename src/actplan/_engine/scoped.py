@@ -33,22 +33,35 @@ What is held
 
 The replay serves each held output once (then lets it go) and refuses a second
 backward through the same forward, as torch's own selective checkpointing does.
-Imports: ``ops``, ``region``; plus torch.
+Imports: ``held`` (its records and helpers), ``ops``, ``region``; plus torch.
 """
 
 from __future__ import annotations
 
-import threading
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from actplan._engine.ops import _TRAITS, IGNORED_OPS, always_replayed, always_saved, op_traits
+from actplan._engine.held import (
+    PLACEHOLDERS,
+    PYTHON_REFS,
+    ROUTING,
+    Entry,
+    HeldOutput,
+    HeldReport,
+    LearntLayout,
+    Phase,
+    SegmentMode,
+    checkpoint_frame,
+    detach_alias,
+    is_parameter,
+    make_placeholder,
+    tensor_args,
+)
+from actplan._engine.ops import _TRAITS, always_replayed, always_saved, op_traits
 from actplan._engine.region import KeptTensorMutatedError, MarkerError, MarkerState, mutation_error
 from actplan.markers import LAYER_END
 from actplan.units import MarkerInterval
@@ -56,163 +69,8 @@ from actplan.units import MarkerInterval
 if TYPE_CHECKING:
     from actplan._engine.policy import IntervalPolicy
 
+# Module-level alias: the per-op sweep calls it for every pending storage.
 _use_count = torch._C._storage_Use_Count
-
-
-def _python_storage_refs() -> int:
-    # A storage whose Python object exists counts one reference for it (torch keeps that
-    # object alive with the storage); calibrated once rather than assumed.
-    probe = torch.empty(1)
-    return _use_count(probe.untyped_storage()._cdata) - 1
-
-
-_PYTHON_REFS = _python_storage_refs()
-
-
-def _detach(tensor: torch.Tensor) -> torch.Tensor:
-    # As torch's SAC cache does: the alias must not look like a view to autograd when served.
-    with torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.ADInplaceOrView, False):
-        return tensor.detach()
-
-
-_ROUTING = object()  # "saved because it routes or communicates", in place of a kept interval
-
-
-@dataclass(eq=False)
-class HeldOutput:
-    """One tensor output of a kept op: held until proven unread, or dropped."""
-
-    value: Any  # the detached alias; an offload handle; None once dropped or served
-    interval: MarkerInterval | None  # the kept interval, None for routing/collective outputs
-    storage: int  # the storage's _cdata
-    nbytes: int
-    version: int
-    meta: tuple  # (size, stride, dtype, device) for the placeholder
-    producer: Any  # the op
-    mutated_by: Any = None  # an in-place op seen writing into it
-    offloaded: bool = False
-    routing: bool = False  # a routing/collective output: held whatever reads it
-
-
-@dataclass(eq=False)
-class _Entry:
-    """One op of a watched segment, in forward order: run again, or served."""
-
-    func: Any
-    leaves: list | None = None  # kept ops: HeldOutput or plain (non-tensor) values
-    spec: Any = None
-
-
-@dataclass
-class LearntLayout:
-    """What a layer's first call showed: its marker sequence, which segments ran routing,
-    collective or device-to-host ops outside every kept interval, and which ran only views."""
-
-    markers: tuple[str, ...]
-    kept: tuple[MarkerInterval | None, ...]  # per segment, the innermost kept interval open
-    routing_segments: frozenset[int]
-    inert_segments: frozenset[int]  # segments that ran nothing but views
-
-
-@dataclass
-class HeldReport:
-    """Per kept interval (``None``: routing and collective outputs), the bytes a call holds at
-    the end of its forward, against what autograd keeps for the same ops without checkpointing:
-    the tensors those ops save, and those of their outputs that any op saves (measured on the
-    layer's first call, when every segment is watched)."""
-
-    held: dict[MarkerInterval | None, int] = field(default_factory=dict)
-    autograd: dict[MarkerInterval | None, int] = field(default_factory=dict)
-
-
-class _Placeholders(threading.local):
-    storages: dict[int, StorageWeakRef]
-
-    def __init__(self) -> None:
-        self.storages = {}
-
-
-_PLACEHOLDERS = _Placeholders()
-
-
-def is_placeholder(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` lives in a placeholder the replay made for a dropped output (its
-    values are meaningless, and nothing that reads them runs before the replay stops)."""
-    if type(tensor) is not torch.Tensor:
-        return False
-    ref = _PLACEHOLDERS.storages.get(tensor.untyped_storage()._cdata)
-    return ref is not None and not ref.expired()
-
-
-def _placeholder(meta: tuple) -> tuple[torch.Tensor, int]:
-    # NaN-filled: a read the engine cannot see (a kernel reading raw memory) shows up as NaN,
-    # never as a silently wrong gradient. Only floating-point outputs are ever dropped.
-    size, stride, dtype, device = meta
-    out = torch.empty_strided(size, stride, dtype=dtype, device=device)
-    storage = out.untyped_storage()
-    _PLACEHOLDERS.storages[storage._cdata] = StorageWeakRef(storage)
-    return out.fill_(float("nan")), storage._cdata
-
-
-def _tensor_args(args: tuple, kwargs: dict):
-    # An aten op's tensor arguments: positional, keyword, and inside Tensor[] lists.
-    for value in (*args, *kwargs.values()) if kwargs else args:
-        if isinstance(value, torch.Tensor):
-            yield value
-        elif isinstance(value, (list, tuple)):
-            for item in value:
-                if isinstance(item, torch.Tensor):
-                    yield item
-
-
-def _is_parameter(tensor: torch.Tensor) -> bool:
-    # A parameter, or a view of one (``weight.t()`` saved by a GEMM): not an activation.
-    base = tensor._base if tensor._base is not None else tensor
-    return base.is_leaf and base.requires_grad
-
-
-def _checkpoint_frame(pack: Any) -> Any:
-    # torch.utils.checkpoint's pack hook closes over its frame; the frame's count of saved
-    # tensors tells where the replay will stop. Without it, nothing is dropped on that ground.
-    for cell in getattr(pack, "__closure__", None) or ():
-        try:
-            value = cell.cell_contents
-        except ValueError:
-            continue
-        if hasattr(value, "weak_holders") and hasattr(value, "early_stop"):
-            return value
-    return None
-
-
-class _SegmentMode(TorchDispatchMode):
-    """The dispatch mode of one watched segment: hands each op to the region's forward or
-    replay handler (``run_op``)."""
-
-    def __init__(self, run_op: Any) -> None:
-        super().__init__()
-        self.run_op = run_op
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in IGNORED_OPS:
-            return func(*args, **kwargs)
-        return self.run_op(func, args, kwargs)
-
-
-class _Phase:
-    """A context manager that starts the region's forward or replay (``context_fn``'s pair)."""
-
-    def __init__(self, region: ScopedRegion, replay: bool) -> None:
-        self.region, self.replay = region, replay
-
-    def __enter__(self) -> None:
-        if self.replay:
-            self.region.begin_replay()
-        else:
-            self.region.begin_forward()
-
-    def __exit__(self, *exc: Any) -> None:
-        self.region.end_phase(failed=exc[0] is not None)
 
 
 class ScopedRegion(MarkerState):
@@ -230,7 +88,7 @@ class ScopedRegion(MarkerState):
         self.segment_kept: list[MarkerInterval | None] = [None]  # per segment, for learning
         self.left_path_at = 0  # the segment where a call left the learnt path
         self.marker_names: list[str] = []
-        self.watched: dict[int, list[_Entry]] = {}  # segment -> its ops, in forward order
+        self.watched: dict[int, list[Entry]] = {}  # segment -> its ops, in forward order
         self.routing_segments: set[int] = set()
         self.busy_segments: set[int] = set()  # segments where an op other than a view ran
         self.mode: TorchDispatchMode | None = None
@@ -254,14 +112,14 @@ class ScopedRegion(MarkerState):
         # while it was open, and the storages its kept ops produced (both with their sizes).
         self.saved_in: dict[MarkerInterval | None, dict[int, int]] = {}
         self.produced: dict[MarkerInterval | None, dict[int, int]] = {}
-        self.replay_entries: list[_Entry] = []
+        self.replay_entries: list[Entry] = []
         self.cursor = 0
         self.replayed = False
         self.placeholders: list[int] = []  # registry keys of this replay's placeholders
 
-    def contexts(self) -> tuple[_Phase, _Phase]:
+    def contexts(self) -> tuple[Phase, Phase]:
         """``torch.utils.checkpoint``'s ``context_fn`` result: (forward, replay)."""
-        return _Phase(self, replay=False), _Phase(self, replay=True)
+        return Phase(self, replay=False), Phase(self, replay=True)
 
     # -- segments -----------------------------------------------------------------------------
 
@@ -276,7 +134,7 @@ class ScopedRegion(MarkerState):
                 self._expose()
                 return
             self.watched[self.segment] = []
-            self.mode = _SegmentMode(self.run_forward_op)
+            self.mode = SegmentMode(self.run_forward_op)
             if self.outer_pack is not None:
                 outer_pack, outer_unpack = self.outer_pack
                 packed = self.packed
@@ -289,7 +147,7 @@ class ScopedRegion(MarkerState):
                     if type(tensor) is torch.Tensor:
                         storage = tensor.untyped_storage()
                         packed.add(storage._cdata)
-                        if saved_in is not None and not _is_parameter(tensor):
+                        if saved_in is not None and not is_parameter(tensor):
                             saved_in[storage._cdata] = storage.nbytes()
                     return outer_pack(tensor)
 
@@ -301,7 +159,7 @@ class ScopedRegion(MarkerState):
             if entries is None:
                 return
             self.replay_entries, self.cursor = entries, 0
-            self.mode = _SegmentMode(self.run_replay_op)
+            self.mode = SegmentMode(self.run_replay_op)
             self.mode.__enter__()
 
     def _close_segment(self) -> None:
@@ -370,7 +228,7 @@ class ScopedRegion(MarkerState):
         top = torch._C._autograd._top_saved_tensors_default_hooks(False)
         if top is not None:
             self.outer_pack = top
-            self.frame = _checkpoint_frame(top[0])
+            self.frame = checkpoint_frame(top[0])
         self._open_segment()
 
     def run_forward_op(self, func, args, kwargs):
@@ -388,19 +246,19 @@ class ScopedRegion(MarkerState):
             # would cost memory to save a little elementwise work.)
             kept = self.current_kept
         elif routing:
-            kept = _ROUTING
+            kept = ROUTING
             self.routing_segments.add(self.segment)
         else:
             kept = None
         if kept is None:
             if self.refs and not traits.is_view and not traits.uninitialized:
                 self._pin_inputs(func, traits, args, kwargs)
-            self.watched[self.segment].append(_Entry(func))
+            self.watched[self.segment].append(Entry(func))
             return func(*args, **kwargs)
         if self.pending:
             self._sweep_pending()
         out = func(*args, **kwargs)
-        if kept is _ROUTING:
+        if kept is ROUTING:
             self._hold(func, out, None, always=True)
         else:
             self._hold(func, out, kept, always=routing)
@@ -410,7 +268,7 @@ class ScopedRegion(MarkerState):
         refs = self.refs
         if not refs:
             return False
-        for leaf in _tensor_args(args, kwargs):
+        for leaf in tensor_args(args, kwargs):
             if type(leaf) is torch.Tensor:
                 if leaf.untyped_storage()._cdata in refs:
                     return True
@@ -425,7 +283,7 @@ class ScopedRegion(MarkerState):
             if isinstance(target, torch.Tensor):
                 written.add(id(target))
         refs = self.refs
-        for leaf in _tensor_args(args, kwargs):
+        for leaf in tensor_args(args, kwargs):
             if type(leaf) is not torch.Tensor or leaf.device.type == "meta":
                 continue
             storage = leaf.untyped_storage()._cdata
@@ -478,7 +336,7 @@ class ScopedRegion(MarkerState):
                     # A new storage: what was packed or pinned at this address before is gone.
                     self.packed.discard(key)
                     self.pinned.pop(key, None)
-                alias = _detach(leaf)
+                alias = detach_alias(leaf)
                 held = HeldOutput(
                     value=alias,
                     interval=interval,
@@ -498,13 +356,13 @@ class ScopedRegion(MarkerState):
                     self.pending.setdefault(key, []).append(held)
                 kept.append(held)
             elif isinstance(leaf, torch.Tensor):
-                kept.append(_detach(leaf))  # a tensor subclass: held as it is
+                kept.append(detach_alias(leaf))  # a tensor subclass: held as it is
             else:
                 kept.append(leaf)
-        self.watched[self.segment].append(_Entry(func, kept, spec))
+        self.watched[self.segment].append(Entry(func, kept, spec))
 
     def _dead(self, storage: int) -> bool:
-        return _use_count(storage) <= self.refs[storage] + _PYTHON_REFS
+        return _use_count(storage) <= self.refs[storage] + PYTHON_REFS
 
     def _sweep_pending(self) -> None:
         # Before each kept op: let the current segment's outputs nobody references go at once.
@@ -673,7 +531,7 @@ class ScopedRegion(MarkerState):
             return leaf
         value = leaf.value
         if value is None:
-            placeholder, key = _placeholder(leaf.meta)
+            placeholder, key = make_placeholder(leaf.meta)
             self.placeholders.append(key)
             return placeholder
         if not leaf.offloaded and value._version != leaf.version:
@@ -688,7 +546,7 @@ class ScopedRegion(MarkerState):
         self.frame = self.outer_pack = None
         if self.phase == "replay":
             for key in self.placeholders:
-                _PLACEHOLDERS.storages.pop(key, None)
+                PLACEHOLDERS.storages.pop(key, None)
             self.placeholders.clear()
         if self.phase == "replay" or failed:
             # Served or not, nothing is held past the replay (or past a failed forward).

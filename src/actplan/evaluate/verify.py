@@ -24,8 +24,8 @@ from torch.utils._pytree import tree_leaves
 
 import actplan
 from actplan._engine.boundary import checkpoint_state
+from actplan._engine.held import is_placeholder
 from actplan._engine.policy import ROUTING_OPS, UNINITIALIZED_OPS
-from actplan._engine.scoped import is_placeholder
 from actplan._install.apply import find_layers
 from actplan.config import RecomputeConfig
 from actplan.measure import capture_step, compare_steps

@@ -1,0 +1,201 @@
+"""The storage tracker under ``MemoryMeter``: a dispatch mode that counts the storages first
+returned inside its window and drops them again when they are freed, with a bounded timeline of
+live bytes. Imports only torch and the standard library.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+
+_FREE_LABEL = "free"
+# These ops hand back a storage created outside the dispatcher (``torch.tensor(...)`` builds its
+# data with dispatch disabled, then lifts it): their output is a fresh allocation even though the
+# schema says it aliases the input.
+_FRESH_DESPITE_ALIAS = frozenset({torch.ops.aten.lift_fresh.default})
+
+
+class _Timeline:
+    """Bounded (label, live_bytes) samples that keep peaks and marks when decimated.
+
+    Once ``cap`` samples are stored, adjacent pairs are merged (the larger sample survives, and
+    marks survive while they are under half the cap) and later changes are bucketed ``stride`` at
+    a time, keeping each bucket's largest sample, so a long run costs O(cap) memory while the
+    peak stays visible.
+    """
+
+    def __init__(self, cap: int) -> None:
+        if cap < 2:
+            raise ValueError(f"timeline cap must be at least 2, got {cap}; pass a larger timeline_cap")
+        self.cap = cap
+        self.samples: list[tuple[str, int, bool]] = []
+        self.stride = 1
+        self._bucket_count = 0
+        self._bucket_best: tuple[str, int, bool] | None = None
+
+    def record(self, label: str, live_bytes: int) -> None:
+        best = self._bucket_best
+        if best is None or live_bytes > best[1]:
+            self._bucket_best = (label, live_bytes, False)
+        self._bucket_count += 1
+        if self._bucket_count >= self.stride:
+            self._flush()
+
+    def record_mark(self, label: str, live_bytes: int) -> None:
+        self._flush()
+        self._append((label, live_bytes, True))
+
+    def as_list(self) -> list[tuple[str, int]]:
+        pending = [self._bucket_best] if self._bucket_best is not None else []
+        return [(label, live) for label, live, _ in self.samples + pending]
+
+    def _flush(self) -> None:
+        if self._bucket_best is not None:
+            self._append(self._bucket_best)
+        self._bucket_best = None
+        self._bucket_count = 0
+
+    def _append(self, sample: tuple[str, int, bool]) -> None:
+        self.samples.append(sample)
+        if len(self.samples) >= self.cap:
+            self._decimate()
+
+    def _decimate(self) -> None:
+        # Marks are protected only while they are a minority, so the list always shrinks.
+        protect_marks = sum(is_mark for _, _, is_mark in self.samples) < self.cap // 2
+        kept: list[tuple[str, int, bool]] = []
+        for first, second in zip(self.samples[::2], self.samples[1::2], strict=False):
+            if protect_marks and (first[2] or second[2]):
+                kept.extend(s for s in (first, second) if s[2] or s[1] >= max(first[1], second[1]))
+            else:
+                kept.append(first if first[1] >= second[1] else second)
+        if len(self.samples) % 2:
+            kept.append(self.samples[-1])
+        self.samples = kept
+        self.stride *= 2
+
+
+class StorageTracker(TorchDispatchMode):
+    """Dispatch mode that sees every op output and tracks storages first seen in its window.
+
+    A storage is counted once, when an op that does not alias its inputs returns it; a weak
+    reference drops it again when the C++ storage is freed (storage PyObjects are preserved
+    while any tensor holds the storage, so the callback fires on the real free).
+    """
+
+    def __init__(self, timeline_cap: int) -> None:
+        super().__init__()
+        # storage key -> [nbytes, weakref]; the weakref must live here for its
+        # callback to fire, and dropping the dict disarms every callback at once.
+        self.tracked: dict[int, list[Any]] = {}
+        self.live_bytes = 0
+        self.peak_live_bytes = 0
+        self.peak_label: str | None = None
+        self.saw_cuda = False
+        self.timeline = _Timeline(timeline_cap)
+        # Reentrant: a garbage collection triggered while we hold the lock can free a storage
+        # and run our callback on the same thread.
+        self.lock = threading.RLock()
+        self._op_info: dict[Any, tuple[bool, str]] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        info = self._op_info.get(func)
+        if info is None:
+            # Higher-order operators (compiled graphs' RNG wrappers) have no schema: fresh outputs.
+            returns = func._schema.returns if hasattr(func, "_schema") else ()
+            returns_alias = any(ret.alias_info is not None for ret in returns)
+            info = (returns_alias and func not in _FRESH_DESPITE_ALIAS, str(func))
+            self._op_info[func] = info
+        if isinstance(out, torch.Tensor):
+            self._observe(out, info)
+        elif isinstance(out, (tuple, list)):
+            self._observe_all(out, info)
+        return out
+
+    def _observe_all(self, outputs: Iterable[Any], info: tuple[bool, str]) -> None:
+        for item in outputs:
+            if isinstance(item, torch.Tensor):
+                self._observe(item, info)
+            elif isinstance(item, (tuple, list)):
+                self._observe_all(item, info)
+
+    def _observe(self, tensor: torch.Tensor, info: tuple[bool, str]) -> None:
+        if type(tensor) is not torch.Tensor:
+            if isinstance(tensor, FakeTensor):
+                return
+            if is_traceable_wrapper_subclass(tensor):
+                # e.g. DTensor: the memory lives in the inner tensors it wraps.
+                inner_names, _ = tensor.__tensor_flatten__()
+                self._observe_all((getattr(tensor, name) for name in inner_names), info)
+                return
+        if tensor.is_meta:
+            return
+        try:
+            storage = tensor.untyped_storage()
+        except NotImplementedError:
+            # Sparse (and other storage-less) layouts: not counted.
+            return
+        key = storage._cdata
+        entry = self.tracked.get(key)
+        if entry is not None:
+            nbytes = storage.nbytes()
+            if nbytes != entry[0]:  # resize_ on a storage we track
+                with self.lock:
+                    self._change(nbytes - entry[0], info[1])
+                    entry[0] = nbytes
+            return
+        returns_alias, label = info
+        if returns_alias:
+            # A view or in-place/out= result over a storage that predates the window.
+            return
+        nbytes = storage.nbytes()
+        device_type = storage.device.type
+        with self.lock:
+            ref = weakref.ref(storage, functools.partial(self._on_free, key))
+            self.tracked[key] = [nbytes, ref]
+            self.saw_cuda = self.saw_cuda or device_type == "cuda"
+            self._change(nbytes, label)
+
+    def _on_free(self, key: int, _ref: weakref.ref) -> None:
+        with self.lock:
+            entry = self.tracked.pop(key, None)
+            if entry is not None:
+                self._change(-entry[0], _FREE_LABEL)
+
+    def _change(self, delta: int, label: str) -> None:
+        """Apply a change of live bytes; callers hold ``self.lock``."""
+        self.live_bytes += delta
+        if self.live_bytes > self.peak_live_bytes:
+            self.peak_live_bytes = self.live_bytes
+            self.peak_label = label
+        self.timeline.record(label, self.live_bytes)
+
+    def live_storages(self) -> dict[int, int]:
+        with self.lock:
+            return {key: entry[0] for key, entry in self.tracked.items()}
+
+    def disarm(self) -> None:
+        """Stop tracking frees: drops every weakref so no callback outlives the window."""
+        with self.lock:
+            self.tracked.clear()
+
+
+class CompiledCodeTracker(StorageTracker):
+    """A storage tracker under which torch.compile runs compiled code (see ``MemoryMeter``'s
+    ``run_compiled``): dynamo switches it off while compiling and on again while the compiled
+    graph runs, so it sees the aten ops that graph dispatches, and the higher-order operators
+    (``run_and_save_rng_state`` of a checkpointed region) whose outputs it then counts."""
+
+    supports_higher_order_operators = True
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True

@@ -36,9 +36,12 @@ import torch
 
 from actplan.evaluate.bench import DEFAULT_POLICIES, run_bench
 from actplan.models import load_model
-from actplan.planning.budget import ParetoPoint, get_profile, pareto_points, write_pareto_plot
+from actplan.planning.budget import ParetoPoint, pareto_points
+from actplan.planning.cache import get_profile
+from actplan.planning.choose import config_for
 from actplan.planning.planner import Candidate, PlanProblem, minimum_peak, none_peak, plan_summary, solve
-from actplan.planning.profile import ModelProfile, config_for
+from actplan.planning.plot import write_pareto_plot
+from actplan.planning.profile import ModelProfile
 
 SHARES = (0.0, 0.2, 0.4, 0.6, 0.8)  # of the way from the least peak to the no-checkpoint peak
 PROFILE_GOALS = {("dense", "small"): 20.0, ("moe", "small"): 60.0}

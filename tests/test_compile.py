@@ -139,7 +139,7 @@ def test_compiled_graph_saves_what_the_eager_plan_keeps(preset):
     # Eager: the memory meter's retained bytes of the layer alone (what the plan leaves alive
     # at the end of its forward). Compiled: the storages the compiled graph saves for
     # backward. Same plan, same bytes: the policy shaped the compiled graph.
-    from actplan.planning.profile import _capture_layer_inputs, _IsolatedLayer
+    from actplan.planning._isolated import _capture_layer_inputs, _IsolatedLayer
 
     bundle = build_model("dense", "tiny", n_layers=1, batch_size=8, seq_len=32)
     (_, args, kwargs) = _capture_layer_inputs(bundle.model, bundle.make_batch(0))[0]

@@ -220,7 +220,7 @@ def test_meter_peak_is_within_two_percent_of_max_memory_allocated(preset):
 
 
 def _layer_and_inputs(bundle):
-    from actplan.planning.profile import _capture_layer_inputs, _IsolatedLayer
+    from actplan.planning._isolated import _capture_layer_inputs, _IsolatedLayer
 
     (_, args, kwargs) = _capture_layer_inputs(bundle.model, batch_on(bundle, CUDA))[0]
     layer = find_layers(bundle.model)[0][1]

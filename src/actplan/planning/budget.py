@@ -1,27 +1,30 @@
 """Plan under a memory budget, end to end: profile (cached), solve, write the config, run it.
 
 ``plan_under_budget`` is what ``actplan plan`` runs: it reuses or makes the model's
-profile, solves for the fastest plan whose predicted peak fits the budget, writes it as a
-config file, runs it next to ``none`` and reports predicted against measured peak memory
-and step time. ``pareto_points`` and ``write_pareto_plot`` draw memory against step time
-for the presets and the planner's plans over a sweep of budgets.
+profile (``cache.get_profile``), solves for the fastest plan whose predicted peak fits the
+budget, writes it as a config file, runs it next to ``none`` and reports predicted against
+measured peak memory and step time. ``pareto_points`` gives memory against step time for the
+presets and the planner's plans over a sweep of budgets (``plot.write_pareto_plot`` draws it).
+
+Imports torch, ``apply``, the config, the meters, the models' step and the planning
+modules; ``get_profile`` and ``write_pareto_plot`` are re-exported for callers of old.
 """
 
 from __future__ import annotations
 
 import copy
-import textwrap
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-import actplan
-from actplan._install.apply import plan_for
+from actplan._install.apply import apply, plan_for
 from actplan.config import PRESETS, RecomputeConfig
 from actplan.measure import MemoryMeter, interleaved_timing, ratio
 from actplan.models import ModelBundle, train_step
+from actplan.planning.cache import get_profile
+from actplan.planning.choose import config_for, picked
 from actplan.planning.planner import (
     BudgetError,
     PlanProblem,
@@ -32,51 +35,10 @@ from actplan.planning.planner import (
     parse_budget,
     solve,
 )
-from actplan.planning.profile import (
-    ModelProfile,
-    cache_key,
-    config_for,
-    default_cache_dir,
-    load_cached,
-    picked,
-    profile_model,
-    store,
-)
+from actplan.planning.plot import write_pareto_plot
+from actplan.planning.profile import ModelProfile
 from actplan.progress import ProgressCallback, ProgressTracker
-from actplan.sizes import DEFAULT_OFFLOAD_MIN_BYTES
-
-
-def get_profile(
-    bundle: ModelBundle,
-    spec: str,
-    device: torch.device,
-    *,
-    cache_dir: Path | None = None,
-    refresh: bool = False,
-    repeats: int = 5,
-    min_bytes: int = DEFAULT_OFFLOAD_MIN_BYTES,
-    bandwidth: float | None = None,
-    progress: ProgressCallback | None = None,
-) -> tuple[ModelProfile, bool]:
-    """The cached profile when its key matches (model, shapes, dtype, device, torch version),
-    else a fresh one, stored. Returns ``(profile, came_from_cache)``."""
-    directory = cache_dir or default_cache_dir()
-    key = cache_key(bundle, spec, device, min_bytes, bandwidth)
-    if not refresh:
-        cached = load_cached(directory, key)
-        if cached is not None:
-            return cached, True
-    profile = profile_model(
-        bundle,
-        spec=spec,
-        device=device,
-        repeats=repeats,
-        min_bytes=min_bytes,
-        bandwidth=bandwidth,
-        progress=progress,
-    )
-    store(directory, profile)
-    return profile, False
+from actplan.sizes import DEFAULT_OFFLOAD_MIN_BYTES, human_bytes
 
 
 @dataclass
@@ -106,7 +68,7 @@ def measure_config(
     peak = 0
     for name, chosen in (("none", RecomputeConfig.from_preset("none")), ("plan", config)):
         model = copy.deepcopy(bundle.model).to(device)
-        actplan.apply(model, chosen)
+        apply(model, chosen)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
 
         def step(model=model, optimizer=optimizer) -> float:
@@ -189,71 +151,6 @@ def teaching_error(problem: PlanProblem, err: BudgetError, rows: int = 12) -> Bu
     )
 
 
-def write_pareto_plot(
-    points: list[ParetoPoint], path: str | Path, title: str, requested: dict[str, float] | None = None
-) -> None:
-    """Memory (x) against step-time ratio (y): presets labelled, planner plans as a line,
-    the requested plan's prediction and measurement highlighted."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7.5, 4.8))
-    plans = sorted((p for p in points if p.kind == "plan"), key=lambda p: p.peak_bytes)
-    ax.plot(
-        [p.peak_bytes / 2**20 for p in plans],
-        [p.time_ratio for p in plans],
-        "o-",
-        drawstyle="steps-post",
-        color="tab:blue",
-        label="planner (budget sweep)",
-    )
-    for p in points:
-        if p.kind == "preset":
-            ax.plot(p.peak_bytes / 2**20, p.time_ratio, "s", color="tab:gray")
-            ax.annotate(
-                p.label, (p.peak_bytes / 2**20, p.time_ratio), textcoords="offset points", xytext=(5, 4)
-            )
-        elif p.kind == "measured":
-            ax.plot(p.peak_bytes / 2**20, p.time_ratio, "o", mfc="none", color="tab:orange")
-            ax.annotate(
-                p.label,
-                (p.peak_bytes / 2**20, p.time_ratio),
-                textcoords="offset points",
-                xytext=(5, -10),
-                fontsize=7,
-            )
-    if requested is not None:
-        ax.plot(
-            requested["predicted_peak_bytes"] / 2**20,
-            requested["predicted_ratio"],
-            "*",
-            color="tab:red",
-            markersize=15,
-            label="requested plan (predicted)",
-        )
-        if "measured_peak_bytes" in requested:
-            ax.plot(
-                requested["measured_peak_bytes"] / 2**20,
-                requested["measured_ratio"],
-                "X",
-                color="tab:green",
-                markersize=11,
-                label="requested plan (measured)",
-            )
-        ax.axvline(requested["budget_bytes"] / 2**20, color="tab:red", linestyle=":", label="budget")
-    ax.set_xlabel("peak memory of a training step (MiB)")
-    ax.set_ylabel("step time / no checkpointing")
-    ax.set_title(textwrap.fill(title, 100), fontsize=8)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 @dataclass
 class BudgetPlanResult:
     model: str
@@ -301,43 +198,14 @@ def plan_under_budget(
         bandwidth=bandwidth,
         progress=progress,
     )
-    budget_bytes = parse_budget(budget, profile.none_peak_bytes)
-    problem = profile.problem()
-    try:
-        solution: Solution = solve(problem, budget_bytes)
-    except BudgetError as err:
-        raise teaching_error(problem, err) from None
-    notes = []
-    top = none_peak(problem)
-    if top is not None and budget_bytes >= top:
-        notes.append(
-            f"the budget {budget_bytes / 2**20:.1f} MiB is at or above the predicted peak without "
-            f"checkpointing ({top / 2**20:.1f} MiB): nothing needs recomputing or offloading"
-        )
-    config = config_for(profile, solution.choices)
-    _check_resolution(bundle, profile, solution, config)
-    if out is not None:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        config.dump(out)
-    chosen = picked(profile, solution.choices)
-    layers = [
-        {
-            "index": i,
-            "candidate": c.name,
-            "retained_bytes": c.retained_bytes,
-            "offloaded_bytes": c.offloaded_bytes,
-        }
-        for i, c in enumerate(chosen)
-    ]
+    budget_bytes, solution, notes = _solve_for(profile, budget)
+    config = _write_plan(bundle, profile, solution, out)
     predicted_ratio = solution.predicted_seconds / profile.base_seconds
     measured = error = None
     if run:
-        result = measure_config(bundle, config, device, repeats=repeats, progress=progress)
-        measured = asdict(result)
-        error = {
-            "peak": (solution.predicted_peak_bytes - result.peak_bytes) / result.peak_bytes,
-            "time_ratio": (predicted_ratio - result.ratio_to_none) / result.ratio_to_none,
-        }
+        measured, error = _run_and_compare(
+            bundle, config, device, repeats, progress, solution, predicted_ratio
+        )
     points = pareto_points(profile)
     plan_result = BudgetPlanResult(
         model=profile.model,
@@ -351,7 +219,7 @@ def plan_under_budget(
         },
         config_path=str(out) if out is not None else None,
         config=config.to_dict(),
-        layers=layers,
+        layers=_layer_rows(profile, solution),
         measured=measured,
         prediction_error=error,
         pareto=[asdict(p) for p in points],
@@ -369,6 +237,68 @@ def plan_under_budget(
         write_pareto_plot(points, plot, f"{profile.model} on {profile.device}", requested)
         plan_result.plot_path = str(plot)
     return plan_result
+
+
+def _solve_for(profile: ModelProfile, budget: str) -> tuple[float, Solution, list[str]]:
+    """The budget in bytes, the fastest plan under it (a ``BudgetError`` showing the trade-off
+    when none fits) and notes on the budget."""
+    budget_bytes = parse_budget(budget, profile.none_peak_bytes)
+    problem = profile.problem()
+    try:
+        solution = solve(problem, budget_bytes)
+    except BudgetError as err:
+        raise teaching_error(problem, err) from None
+    notes = []
+    top = none_peak(problem)
+    if top is not None and budget_bytes >= top:
+        notes.append(
+            f"the budget {human_bytes(budget_bytes)} is at or above the predicted peak without "
+            f"checkpointing ({human_bytes(top)}): nothing needs recomputing or offloading"
+        )
+    return budget_bytes, solution, notes
+
+
+def _write_plan(
+    bundle: ModelBundle, profile: ModelProfile, solution: Solution, out: str | Path | None
+) -> RecomputeConfig:
+    """The config of ``solution``, checked against the candidates, written to ``out`` if given."""
+    config = config_for(profile, solution.choices)
+    _check_resolution(bundle, profile, solution, config)
+    if out is not None:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        config.dump(out)
+    return config
+
+
+def _layer_rows(profile: ModelProfile, solution: Solution) -> list[dict[str, Any]]:
+    """Per layer, the chosen candidate and what it retains and offloads."""
+    return [
+        {
+            "index": i,
+            "candidate": c.name,
+            "retained_bytes": c.retained_bytes,
+            "offloaded_bytes": c.offloaded_bytes,
+        }
+        for i, c in enumerate(picked(profile, solution.choices))
+    ]
+
+
+def _run_and_compare(
+    bundle: ModelBundle,
+    config: RecomputeConfig,
+    device: torch.device,
+    repeats: int,
+    progress: ProgressCallback | None,
+    solution: Solution,
+    predicted_ratio: float,
+) -> tuple[dict[str, Any], dict[str, float]]:
+    """The plan run next to ``none``, and the prediction's relative error in peak and time."""
+    result = measure_config(bundle, config, device, repeats=repeats, progress=progress)
+    error = {
+        "peak": (solution.predicted_peak_bytes - result.peak_bytes) / result.peak_bytes,
+        "time_ratio": (predicted_ratio - result.ratio_to_none) / result.ratio_to_none,
+    }
+    return asdict(result), error
 
 
 def _check_resolution(

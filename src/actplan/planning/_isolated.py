@@ -1,0 +1,314 @@
+"""One layer run alone: its inputs captured from a real forward (``_capture_layer_inputs``),
+then, per candidate, metered and timed in isolation (``_IsolatedLayer``) until the timing
+settles (``SETTLED_SHARE``).
+
+Private to the profiler. Imports torch, ``apply`` and the install helpers, the
+meters, the markers, ``actplan._storage`` and the profile records.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import hashlib
+import json
+import math
+import statistics
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves, tree_map
+
+from actplan._install.apply import apply, find_layers, offload_engine
+from actplan._storage import owned_storages, storage_key
+from actplan.config import RecomputeConfig
+from actplan.markers import routing_markers
+from actplan.measure import MemoryMeter, interleaved_timing
+from actplan.planning._records import CandidateProfile
+
+
+def _type_key(module: nn.Module, args: tuple, kwargs: dict) -> str:
+    shapes = [
+        (list(t.shape), str(t.dtype)) if isinstance(t, torch.Tensor) else type(t).__name__
+        for t in tree_leaves((args, kwargs))
+    ]
+    params = [list(p.shape) for p in module.parameters()]
+    return f"{type(module).__name__}:{hashlib.sha256(json.dumps([shapes, params]).encode()).hexdigest()[:12]}"
+
+
+def _capture_layer_inputs(model: nn.Module, batch: dict) -> list[tuple[str, tuple, dict]]:
+    """Per layer, its type key and a copy of the inputs of one forward. Inputs that are the
+    model's parameters or buffers (a RoPE table), or one tensor handed to several layers (the
+    RoPE cos/sin or a mask the model computes once), stay themselves: they are not the
+    layer's activations, and the model holds them once whatever the layers do."""
+    captured: list[tuple[str, tuple, dict] | None] = [None] * len(find_layers(model))
+    owned = owned_storages(model)
+    seen: dict[int, set[int]] = {}  # storage -> layers it was handed to
+    originals: dict[int, torch.Tensor] = {}  # id of a copy -> the tensor it copies
+
+    def copy_input(t: Any, index: int) -> Any:
+        if not isinstance(t, torch.Tensor) or storage_key(t) in owned:
+            return t
+        seen.setdefault(storage_key(t), set()).add(index)
+        copied = _Activation(t.detach().clone())
+        originals[id(copied)] = t.detach()
+        return copied
+
+    handles = []
+    for index, (_, layer) in enumerate(find_layers(model)):
+
+        def hook(module, args, kwargs, index=index):
+            if captured[index] is None:
+                copied = tree_map(functools.partial(copy_input, index=index), (args, kwargs))
+                captured[index] = (_type_key(module, args, kwargs), *copied)
+
+        handles.append(layer.register_forward_pre_hook(hook, with_kwargs=True))
+    try:
+        with torch.no_grad():
+            torch.manual_seed(0)
+            model(**batch)
+    finally:
+        for handle in handles:
+            handle.remove()
+    missing = [i for i, c in enumerate(captured) if c is None]
+    if missing:
+        raise RuntimeError(
+            f"layers {missing} did not run in a forward pass; a profile needs every layer to run"
+        )
+    shared = {storage for storage, layers in seen.items() if len(layers) > 1}
+
+    def settle(item: Any) -> Any:
+        if isinstance(item, _Activation):
+            original = originals[id(item)]
+            if storage_key(original) in shared:
+                return original
+        return item
+
+    return [(key, *tree_map(settle, (args, kwargs))) for key, args, kwargs in captured]  # type: ignore[misc]
+
+
+class _Activation:
+    """A captured activation input: copied afresh for every isolated run (a pytree leaf)."""
+
+    __slots__ = ("_leaf", "tensor")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+        self._leaf: torch.Tensor | None = None
+
+    def leaf(self) -> torch.Tensor:
+        """A leaf that requires grad, with its gradient buffer already allocated."""
+        if self._leaf is None:
+            self._leaf = self.tensor.clone().requires_grad_(True)
+            self._leaf.grad = torch.zeros_like(self._leaf)
+        return self._leaf
+
+
+class _IsolatedLayer:
+    """One layer type's representative, run alone on captured inputs under a candidate."""
+
+    def __init__(self, layer: nn.Module, args: tuple, kwargs: dict, min_bytes: int) -> None:
+        self.layer = layer
+        self.device = next((p.device for p in layer.parameters()), torch.device("cpu"))
+        # Prepared layers by candidate, and whether they have run a whole step.
+        self._ready: dict[tuple[str, tuple[str, ...], bool], tuple[nn.Module, bool]] = {}
+        self.args, self.kwargs = args, kwargs
+        self.min_bytes = min_bytes
+        # The gradient arriving from the next layer: fixed, so every candidate sees the same.
+        out = self._plain_output()
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        self.grads = [
+            torch.randn(t.shape, generator=gen, dtype=t.dtype).to(t.device)
+            for t in tree_leaves(out)
+            if isinstance(t, torch.Tensor) and t.requires_grad
+        ]
+        # In a model, the gradient arriving at the layer's output is a new tensor, alive during
+        # the layer's backward; alone, it exists before the metered window. (The gradient made
+        # for the input is counted alone too: autograd makes it before accumulating it.)
+        self.boundary_grad_bytes = sum(g.numel() * g.element_size() for g in self.grads)
+
+    def _inputs(self) -> tuple[tuple, dict]:
+        # Fresh non-leaf copies of the activations, made inside the measured window, so the
+        # layer's own saved set decides whether they stay alive; the leaves they come from
+        # (and their gradients) exist before it. Parameters and buffers pass as they are.
+        def fresh(item):
+            if not isinstance(item, _Activation):
+                return item
+            if item.tensor.is_floating_point():
+                return item.leaf() * 1.0
+            return item.tensor.clone()
+
+        return tree_map(fresh, (self.args, self.kwargs))
+
+    def _plain_output(self):
+        args, kwargs = self._inputs()
+        torch.manual_seed(0)
+        return self.layer(*args, **kwargs)
+
+    def prepared(self, candidate: CandidateProfile) -> nn.Module:
+        layer = copy.deepcopy(self.layer)
+        config: dict[str, Any] = candidate.config_choice()
+        if candidate.offload:
+            config["offload"] = {"layer_input": True, "layers": "all", "min_bytes": self.min_bytes}
+            if candidate.kept_units:
+                config["offload"]["units"] = "kept"
+        apply(layer, RecomputeConfig.from_dict(config, source=f"candidate {candidate.name}"))
+        engine = offload_engine(layer)
+        if engine is not None:
+            # The parent model's parameters and buffers passed in (a RoPE table) stay put.
+            passed = [t for t in tree_leaves((self.args, self.kwargs)) if isinstance(t, torch.Tensor)]
+            engine.attach(layer, also_skip=passed)
+        for p in layer.parameters():
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)  # accumulate in place: grads are a fixed cost
+        return layer
+
+    def step(
+        self, layer: nn.Module, meter: MemoryMeter | None = None, backward: bool = True
+    ) -> dict[str, int]:
+        torch.manual_seed(0)
+        args, kwargs = self._inputs()
+        out = layer(*args, **kwargs)
+        del args, kwargs
+        outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+        figures = {}
+        if meter is not None:
+            live = meter.mark("forward_end").live_bytes
+            out_storages = {
+                storage_key(t): t.untyped_storage().nbytes()
+                for t in tree_leaves(out)
+                if isinstance(t, torch.Tensor)
+            }
+            figures["retained"] = live - sum(out_storages.values())
+            figures["live_forward_end"] = live
+        if backward:
+            torch.autograd.backward(outputs, self.grads)
+        return figures
+
+    def _warm(self, candidate: CandidateProfile, backward: bool = True) -> nn.Module:
+        """The candidate's prepared layer after an untimed, unmetered forward (its learning
+        call; later metered figures are the same whether that forward had its backward or
+        not) and, with ``backward``, a whole step. Kept for later measurements until
+        ``forget``."""
+        identity = (candidate.mode, tuple(candidate.kept_units), candidate.offload)
+        if identity not in self._ready:
+            layer = self.prepared(candidate)
+            self.step(layer, backward=backward)
+            self._ready[identity] = (layer, backward)
+        layer, stepped = self._ready[identity]
+        if backward and not stepped:
+            self.step(layer)
+            self._ready[identity] = (layer, True)
+        return layer
+
+    def forget(self, candidates: Iterable[CandidateProfile]) -> None:
+        for c in candidates:
+            self._ready.pop((c.mode, tuple(c.kept_units), c.offload), None)
+
+    def measure_memory(self, candidate: CandidateProfile) -> None:
+        layer = self._warm(candidate, backward=False)  # lazily created state must not count
+        engine = offload_engine(layer)
+        if engine is not None:
+            engine.reset_stats()
+        with MemoryMeter(layer) as meter:
+            figures = self.step(layer, meter)
+        identity = (candidate.mode, tuple(candidate.kept_units), candidate.offload)
+        self._ready[identity] = (layer, True)  # the metered step was a whole step
+        report = meter.report()
+        candidate.retained_bytes = max(figures["retained"], 0)
+        candidate.transient_bytes = (
+            max(report.peak_live_bytes - figures["live_forward_end"], 0) + self.boundary_grad_bytes
+        )
+        candidate.offloaded_bytes = engine.stats.bytes_offloaded if engine is not None else 0
+
+    def measure_retained(self, candidate: CandidateProfile) -> None:
+        """Only ``retained_bytes``: a forward to learn the layout, then a metered forward (no
+        backward: the graph is dropped). Enough to rank the sets the greedy chain tries."""
+        layer = self._warm(candidate, backward=False)
+        with MemoryMeter(layer) as meter:
+            figures = self.step(layer, meter, backward=False)
+        candidate.retained_bytes = max(figures["retained"], 0)
+
+    def unit_seconds(self, intervals: Mapping[Any, tuple[Any, ...]], units: list[str]) -> dict[str, float]:
+        """Per unit, the forward time of its marker intervals in the plain layer (median of 3
+        forwards after the warm-up): what the replay no longer reruns when it is kept."""
+        layer = self._warm(CandidateProfile("none", "none", [], offload=False))
+        opens: dict[str, list[tuple[str, str]]] = {}
+        closes: dict[str, list[tuple[str, str]]] = {}
+        for unit, spans in intervals.items():
+            name = getattr(unit, "value", unit)
+            for span in spans:
+                opens.setdefault(span.start, []).append((name, span.end))
+                closes.setdefault(span.end, []).append((name, span.start))
+        synchronize = self.device.type == "cuda"
+        samples: dict[str, list[float]] = {unit: [] for unit in units}
+        for _ in range(3):
+            started: dict[tuple[str, str], float] = {}
+            spent = dict.fromkeys(units, 0.0)
+
+            def sink(marker: str, started=started, spent=spent) -> None:
+                if synchronize:
+                    torch.cuda.synchronize(self.device)
+                now = time.perf_counter()
+                for name, start in closes.get(marker, ()):
+                    begun = started.pop((name, start), None)
+                    if begun is not None and name in spent:
+                        spent[name] += now - begun
+                for name, _ in opens.get(marker, ()):
+                    started[(name, marker)] = now
+
+            with routing_markers(sink):
+                self.step(layer, backward=False)
+            for unit in units:
+                samples[unit].append(spent[unit])
+        return {unit: statistics.median(values) for unit, values in samples.items()}
+
+    def measure_time(self, candidates: list[CandidateProfile], repeats: int) -> None:
+        """Each candidate's ``extra_seconds`` over ``none`` (which must be among them): the
+        median of per-round differences. At least 3 rounds (fewer if ``repeats`` says so),
+        more, up to ``repeats``, while some difference is still unsettled (``_settled``)."""
+        layers = {c.name: self._warm(c) for c in candidates}
+        timings = interleaved_timing(
+            {name: (lambda layer=layer: self.step(layer)) for name, layer in layers.items()},
+            repeats=min(3, repeats),
+            max_repeats=repeats,
+            warmup=0,  # each layer has run its warm-up step in `_warm`
+            settled=_settled,
+        )
+        reference = timings["none"]
+        for c in candidates:
+            own = timings[c.name]
+            c.layer_seconds = own.median
+            paired = sorted(a - b for a, b in zip(own.samples, reference.samples, strict=True))
+            # More recompute is never cheaper: a negative difference is timer noise.
+            c.extra_seconds = max(paired[len(paired) // 2], 0.0) if c.name != "none" else 0.0
+
+
+# Timing stops once every candidate's difference to `none` is known to this share of
+# `none`'s own time (the paired differences' interquartile range over the square root of
+# the rounds).
+SETTLED_SHARE = 0.05
+
+
+def _spread(values: list[float]) -> float:
+    """The interquartile range over the square root of the count: how loose a median is."""
+    quartiles = statistics.quantiles(values, n=4, method="inclusive")
+    return (quartiles[2] - quartiles[0]) / math.sqrt(len(values))
+
+
+def _tight(samples: list[float]) -> bool:
+    return _spread(samples) <= SETTLED_SHARE * statistics.median(samples)
+
+
+def _settled(samples: Mapping[str, list[float]]) -> bool:
+    """Every candidate's paired difference to ``none`` is tight against ``none``'s time."""
+    reference = samples["none"]
+    limit = SETTLED_SHARE * statistics.median(reference)
+    return all(
+        _spread([a - b for a, b in zip(own, reference, strict=True)]) <= limit
+        for name, own in samples.items()
+        if name != "none"
+    )

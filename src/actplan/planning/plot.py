@@ -1,0 +1,85 @@
+"""The Pareto plot: peak memory against step time for the presets, the planner's plans and
+the requested plan, as a PNG.
+
+Imports matplotlib (the ``cli`` extra) when a plot is drawn, and the planning package's
+extra check; the points' type only for annotations.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from actplan.planning._extra import require
+
+if TYPE_CHECKING:
+    from actplan.planning.budget import ParetoPoint
+
+__all__ = ["write_pareto_plot"]
+
+
+def write_pareto_plot(
+    points: list[ParetoPoint], path: str | Path, title: str, requested: dict[str, float] | None = None
+) -> None:
+    """Memory (x) against step-time ratio (y): presets labelled, planner plans as a line,
+    the requested plan's prediction and measurement highlighted. Needs the ``cli`` extra."""
+    require("matplotlib", extra="cli")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    plans = sorted((p for p in points if p.kind == "plan"), key=lambda p: p.peak_bytes)
+    ax.plot(
+        [p.peak_bytes / 2**20 for p in plans],
+        [p.time_ratio for p in plans],
+        "o-",
+        drawstyle="steps-post",
+        color="tab:blue",
+        label="planner (budget sweep)",
+    )
+    for p in points:
+        if p.kind == "preset":
+            ax.plot(p.peak_bytes / 2**20, p.time_ratio, "s", color="tab:gray")
+            ax.annotate(
+                p.label, (p.peak_bytes / 2**20, p.time_ratio), textcoords="offset points", xytext=(5, 4)
+            )
+        elif p.kind == "measured":
+            ax.plot(p.peak_bytes / 2**20, p.time_ratio, "o", mfc="none", color="tab:orange")
+            ax.annotate(
+                p.label,
+                (p.peak_bytes / 2**20, p.time_ratio),
+                textcoords="offset points",
+                xytext=(5, -10),
+                fontsize=7,
+            )
+    if requested is not None:
+        ax.plot(
+            requested["predicted_peak_bytes"] / 2**20,
+            requested["predicted_ratio"],
+            "*",
+            color="tab:red",
+            markersize=15,
+            label="requested plan (predicted)",
+        )
+        if "measured_peak_bytes" in requested:
+            ax.plot(
+                requested["measured_peak_bytes"] / 2**20,
+                requested["measured_ratio"],
+                "X",
+                color="tab:green",
+                markersize=11,
+                label="requested plan (measured)",
+            )
+        ax.axvline(requested["budget_bytes"] / 2**20, color="tab:red", linestyle=":", label="budget")
+    ax.set_xlabel("peak memory of a training step (MiB)")
+    ax.set_ylabel("step time / no checkpointing")
+    ax.set_title(textwrap.fill(title, 100), fontsize=8)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -27,6 +27,7 @@ test: lint
 
 bench: $(STAMP)
 	$(VENV)/bin/actplan bench --json bench/results/bench_dense_small.json --markdown bench/results/bench_dense_small.md
+	$(PY) -m bench.goals bench/results/bench_dense_small.json
 
 peers: $(STAMP)
 	$(PY) -m bench.peers

@@ -63,14 +63,12 @@ if importlib.util.find_spec("actplan") is None and (REPO / "src" / "actplan").is
 import torch  # noqa: E402
 
 from actplan._install.apply import find_layers  # noqa: E402
-from actplan.evaluate.bench import (  # noqa: E402
-    OFFLOAD_VARIANTS,
-    TORCH_CHECKPOINT,
+from actplan.evaluate.bench import OFFLOAD_VARIANTS, TORCH_CHECKPOINT, policy_config  # noqa: E402
+from actplan.evaluate.contenders import (  # noqa: E402
     Contender,
     Installer,
     PolicyRow,
     config_installer,
-    policy_config,
     prepare_contender,
     time_contenders,
     torch_checkpoint_installer,
@@ -82,7 +80,8 @@ from actplan.measure import (  # noqa: E402
     compare_steps,
     ratio,
 )
-from actplan.models import ModelBundle  # noqa: E402
+from actplan.models import ModelBundle, loss_of, train_step  # noqa: E402
+from actplan.sizes import mib  # noqa: E402
 from bench.gpu_models import SCALES, ModelSpec, batch_on  # noqa: E402
 
 RESULTS = Path("bench/results")
@@ -271,10 +270,6 @@ def _fmt(value: Any) -> str:
     return f"{value:.3f}" if isinstance(value, float) else str(value)
 
 
-def mib(n: float | None) -> str:
-    return "-" if n is None else f"{n / 2**20:,.1f}"
-
-
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return f"{torch.cuda.get_device_name(device)} (cuda)"
@@ -315,17 +310,6 @@ def _resident_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) ->
     return sum(storages.values())
 
 
-def _train_step(contender: Contender, batch: dict[str, Any], seed: int) -> torch.Tensor:
-    torch.manual_seed(seed)
-    out = contender.model(**batch)
-    loss = out["loss"] if isinstance(out, dict) else out
-    del out
-    loss.backward()
-    contender.optimizer.step()
-    contender.optimizer.zero_grad(set_to_none=True)
-    return loss.detach()
-
-
 def cuda_step_peak(contender: Contender, batch: dict[str, Any], device: torch.device) -> int:
     """Peak device bytes of one plain training step (no meter): what the allocator saw grow,
     plus the row's own parameters and optimizer state. Other rows' bytes are not counted."""
@@ -333,7 +317,7 @@ def cuda_step_peak(contender: Contender, batch: dict[str, Any], device: torch.de
     resident = _resident_bytes(contender.model, contender.optimizer)
     torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device)
-    _train_step(contender, batch, seed=3)
+    train_step(contender.model, batch, contender.optimizer, seed=3)
     torch.cuda.synchronize(device)
     return resident + torch.cuda.max_memory_allocated(device) - base
 
@@ -346,7 +330,7 @@ def fresh_capture(
     install(model)
     torch.manual_seed(0)
     out = model(**batch)
-    loss = out["loss"] if isinstance(out, dict) else out
+    loss = loss_of(out)
     loss.backward()
     captured = capture_step(model, loss)
     del model, out, loss
@@ -365,7 +349,7 @@ def prepare_compiled(
     contender = Contender(name, description, model, optimizer)
     torch.manual_seed(0)
     out = model(**batch)
-    loss = out["loss"] if isinstance(out, dict) else out
+    loss = loss_of(out)
     loss.backward()
     contender.capture = capture_step(model, loss)
     del out, loss
@@ -375,7 +359,7 @@ def prepare_compiled(
     with SavedTensorMeter(model) as saved:
         out = model(**batch)
     contender.activation_bytes = saved.saved_bytes
-    (out["loss"] if isinstance(out, dict) else out).backward()
+    loss_of(out).backward()
     del out
     optimizer.zero_grad(set_to_none=True)
     return contender

@@ -4,7 +4,7 @@ Each ``*_installer(model) -> description`` wraps every decoder layer the way a u
 that tool would, so ``bench.peers`` can run it next to actplan's rows on the same data:
 
 - whole-layer ``torch.utils.checkpoint`` (what Hugging Face and most trainers do) comes
-  from ``actplan.evaluate.bench``;
+  from ``actplan.evaluate.contenders``;
 - op-level selective checkpointing with torchtitan's default save list, re-stated here
   from its documented behaviour (save compute-heavy ops and collectives, and every
   other matmul), for when torchtitan itself does not import;
@@ -36,7 +36,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from actplan._install.apply import apply, find_layers
 from actplan.config import RecomputeConfig
-from actplan.evaluate.bench import checkpoint_every_layer
+from actplan.evaluate.contenders import checkpoint_every_layer
 from actplan.models.dense import Attention, SwiGLU, apply_rope, dropout
 from actplan.models.moe import MoE
 

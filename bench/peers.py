@@ -50,16 +50,12 @@ from torch import nn
 from actplan._install.apply import apply, find_layers, interval_map_of
 from actplan._install.plan import format_indices
 from actplan.config import RecomputeConfig
-from actplan.evaluate.bench import (
-    OFFLOAD_VARIANTS,
-    TORCH_CHECKPOINT,
+from actplan.evaluate.bench import OFFLOAD_VARIANTS, TORCH_CHECKPOINT, machine_summary, policy_config
+from actplan.evaluate.contenders import (
     Contender,
     Installer,
     PolicyRow,
     config_installer,
-    machine_summary,
-    mib,
-    policy_config,
     policy_rows,
     prepare_contender,
     time_contenders,
@@ -68,8 +64,10 @@ from actplan.evaluate.bench import (
 from actplan.measure import compare_steps, interleaved_timing
 from actplan.models import build_model, train_step
 from actplan.planning.budget import get_profile, pareto_points
+from actplan.planning.choose import config_for
 from actplan.planning.planner import BudgetError, PlanProblem, solve
-from actplan.planning.profile import ModelProfile, config_for
+from actplan.planning.profile import ModelProfile
+from actplan.sizes import mib
 from bench.peer_methods import (
     COMPILE_BACKEND,
     COMPILE_BUDGETS,

@@ -10,7 +10,7 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
 from actplan.config import RecomputeConfig
-from actplan.evaluate.bench import (
+from actplan.evaluate.contenders import (
     PolicyRow,
     config_installer,
     policy_rows,

@@ -5,7 +5,9 @@ import json
 import pytest
 
 from actplan.cli import main
-from actplan.evaluate.bench import OFFLOAD_VARIANTS, TORCH_CHECKPOINT, run_bench, to_markdown
+from actplan.evaluate.bench import OFFLOAD_VARIANTS, TORCH_CHECKPOINT, run_bench
+from actplan.evaluate.report import to_markdown
+from bench.goals import evaluate_goals
 
 
 @pytest.mark.slow
@@ -158,10 +160,10 @@ def test_a_factory_that_raises_is_named_in_the_error():
 def test_an_unknown_or_missing_device_is_one_clear_error(device, capsys, monkeypatch):
     import torch
 
-    import actplan.cli
+    import actplan.cli._bench as cli_bench
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(actplan.cli, "run_bench", lambda *a, **k: pytest.fail("ran before checking --device"))
+    monkeypatch.setattr(cli_bench, "run_bench", lambda *a, **k: pytest.fail("ran before checking --device"))
     assert main(["bench", "--size", "tiny", "--device", device]) == 2
     out = capsys.readouterr().out
     assert f"'{device}'" in out and "cpu" in out and "Traceback" not in out
@@ -172,9 +174,9 @@ def test_an_unknown_or_missing_device_is_one_clear_error(device, capsys, monkeyp
 
 
 def test_unwritable_output_paths_fail_before_any_work(tmp_path, capsys, monkeypatch):
-    import actplan.cli
+    import actplan.cli._bench as cli_bench
 
-    monkeypatch.setattr(actplan.cli, "run_bench", lambda *a, **k: pytest.fail("ran before checking paths"))
+    monkeypatch.setattr(cli_bench, "run_bench", lambda *a, **k: pytest.fail("ran before checking paths"))
     a_file = tmp_path / "a_file"
     a_file.write_text("")
     under_a_file = str(a_file / "sub" / "r.json")
@@ -226,10 +228,19 @@ def test_bench_quiet_about_its_own_offload_rows_and_goals_of_another_size(tmp_pa
 
     result, warned = moved_nothing(("none", "full", "matmuls", "full+offload"))
     assert warned == []
-    assert result.size == "tiny" and result.goals == []
+    assert result.size == "tiny" and evaluate_goals(result) == []
     assert "NOT met" not in to_markdown(result)
     # A user's config with the same offload still hears that it moved nothing.
     mine = tmp_path / "mine.yaml"
     mine.write_text("preset: full\noffload: {layer_input: true}\n")
     _, warned = moved_nothing(("none",), (mine,))
     assert warned and "lower offload.min_bytes" in warned[0]
+
+
+def test_without_rich_the_command_line_says_what_to_install(capsys, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "rich", None)  # as if rich were not installed
+    assert main(["units"]) == 2
+    err = capsys.readouterr().err
+    assert "pip install 'actplan[cli]'" in err and len(err.strip().splitlines()) == 1

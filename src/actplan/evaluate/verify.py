@@ -19,16 +19,16 @@ from typing import Any
 
 import torch
 import torch.utils.checkpoint
+from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-import actplan
 from actplan._engine.boundary import checkpoint_state
 from actplan._engine.held import is_placeholder
 from actplan._engine.policy import ROUTING_OPS, UNINITIALIZED_OPS
-from actplan._install.apply import find_layers
+from actplan._install.apply import apply, find_layers
 from actplan.config import RecomputeConfig
-from actplan.measure import capture_step, compare_steps
+from actplan.measure import StepCapture, capture_step, compare_steps
 from actplan.models import ModelBundle, train_step
 from actplan.progress import ProgressCallback, ProgressTracker
 
@@ -249,13 +249,8 @@ def verify(
     parsed = RecomputeConfig.parse(config)
     baseline = copy.deepcopy(bundle.model).to(device)
     candidate = copy.deepcopy(bundle.model).to(device)
-    actplan.apply(candidate, parsed)
-    checker = _RecomputeChecker(atol) if check_recompute else None
-    if checker is not None:
-        for name, layer in find_layers(candidate):
-            state = checkpoint_state(layer)
-            if state is not None:
-                state.observer = checker.observer(name or "<root>")
+    apply(candidate, parsed)
+    checker = _watch_recompute(candidate, atol) if check_recompute else None
     optimizers = {
         id(model): torch.optim.AdamW(model.parameters(), lr=lr, foreach=False)
         for model in (baseline, candidate)
@@ -272,24 +267,7 @@ def verify(
             optimizer = optimizers[id(model)]
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-        report = compare_steps(captures[0], captures[1], grad_atol=atol, loss_atol=atol)
-        verdicts.append(
-            StepVerdict(
-                step=step,
-                loss_baseline=float(captures[0].loss),
-                loss_plan=float(captures[1].loss),
-                loss_identical=report.loss_identical if atol == 0 else report.loss_abs_diff <= atol,
-                max_abs_grad_diff=report.max_abs_grad_diff,
-                worst_param=report.worst_param,
-                grad_mismatches=report.grad_mismatches,
-                census_match=report.census_match,
-                census_diff=report.census_diff,
-                routing_decisions=len(captures[0].extras),
-                routing_match=report.extras_match,
-                routing_mismatches=report.extras_mismatches,
-                ok=report.ok,
-            )
-        )
+        verdicts.append(_step_verdict(step, captures[0], captures[1], atol))
         tracker.step(f"step {step + 1}/{steps}")
     return VerifyReport(
         model=bundle.description,
@@ -299,4 +277,34 @@ def verify(
         recompute_checked=check_recompute,
         recompute_ops_compared=checker.compared if checker else 0,
         recompute_mismatches=checker.mismatches if checker else [],
+    )
+
+
+def _watch_recompute(candidate: nn.Module, atol: float) -> _RecomputeChecker:
+    """A recompute checker observing every checkpointed layer of ``candidate``."""
+    checker = _RecomputeChecker(atol)
+    for name, layer in find_layers(candidate):
+        state = checkpoint_state(layer)
+        if state is not None:
+            state.observer = checker.observer(name or "<root>")
+    return checker
+
+
+def _step_verdict(step: int, baseline: StepCapture, plan: StepCapture, atol: float) -> StepVerdict:
+    """One step's comparison: losses, gradients, grad census and routing decisions."""
+    report = compare_steps(baseline, plan, grad_atol=atol, loss_atol=atol)
+    return StepVerdict(
+        step=step,
+        loss_baseline=float(baseline.loss),
+        loss_plan=float(plan.loss),
+        loss_identical=report.loss_identical if atol == 0 else report.loss_abs_diff <= atol,
+        max_abs_grad_diff=report.max_abs_grad_diff,
+        worst_param=report.worst_param,
+        grad_mismatches=report.grad_mismatches,
+        census_match=report.census_match,
+        census_diff=report.census_diff,
+        routing_decisions=len(baseline.extras),
+        routing_match=report.extras_match,
+        routing_mismatches=report.extras_mismatches,
+        ok=report.ok,
     )

@@ -1,0 +1,57 @@
+"""What every command shares on the terminal: the progress display for the API's long calls,
+and writing an output file with a "wrote" line. Imports rich and ``actplan.progress`` only."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    Progress,
+    TaskProgressColumn,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+
+from actplan.progress import PlainLines, ProgressCallback, ProgressEvent
+
+
+@contextlib.contextmanager
+def progress_display(console: Console, quiet: bool, starting: str) -> Iterator[ProgressCallback]:
+    """A ``progress=`` callback for the API's long calls: on a terminal a bar with stage,
+    percentage, elapsed time and time left; otherwise (CI logs, pipes) one plain line per
+    event on stderr, so stdout keeps only the results; nothing with ``--quiet``."""
+    if quiet:
+        yield lambda event: None
+        return
+    if not console.is_terminal:
+        yield PlainLines(lambda line: print(line, file=sys.stderr, flush=True))
+        return
+    with Progress(
+        TextColumn("[bold]{task.description:<44}"),
+        BarColumn(),
+        TaskProgressColumn(),
+        TimeElapsedColumn(),
+        TextColumn("left"),
+        TimeRemainingColumn(),
+        console=console,
+        transient=True,
+    ) as bar:
+        task = bar.add_task(starting, total=None)
+
+        def update(event: ProgressEvent) -> None:
+            bar.update(task, total=event.total, completed=event.done, description=event.stage)
+
+        yield update
+
+
+def write_output(path: str, text: str, console: Console) -> None:
+    """Write ``text`` to ``path`` (making its folders) and say so."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(text)
+    console.print(f"wrote {path}")

@@ -1,0 +1,213 @@
+"""The ``actplan`` argument parser, one function per subcommand, and the checks that run
+before any work (the device, the output paths).
+
+Imports the command modules (for each subcommand's ``run``), the config's preset names, the
+bench's row names and the model catalogue.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from actplan.cli._bench import bench
+from actplan.cli._inspect import explain, units, verify
+from actplan.cli._plan import plan, profile
+from actplan.config import PRESETS
+from actplan.devices import resolve_device
+from actplan.evaluate.bench import DEFAULT_POLICIES, OFFLOAD_VARIANTS
+from actplan.integrations import hf
+from actplan.models import MODELS
+
+SUMMARY = "The actplan command line: bench (the main job), profile, plan, verify, explain and units."
+DEVICE_HELP = "auto (CUDA when there is one), cpu, cuda or cuda:<index>"
+MODEL_HELP = (
+    f"built-in ({', '.join(MODELS)}), hf-<kind> (a random-weight transformers model; kinds: "
+    f"{', '.join(hf.REFERENCE_KINDS)}), or package.module:factory"
+)
+SIZE_HELP = "size of a built-in model (tiny, small)"
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Adds "(default: X)" to an option's help, where there is a default worth showing."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        help_text = action.help
+        if (
+            help_text is None
+            or "%(default)" in help_text
+            or not action.option_strings
+            or action.default in (None, False, [], argparse.SUPPRESS)
+        ):
+            return help_text
+        return f"{help_text} (default: %(default)s)"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="actplan", description=SUMMARY, formatter_class=_HelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for add in (_add_bench, _add_explain, _add_profile, _add_plan, _add_verify, _add_units):
+        add(sub)
+    for subparser in sub.choices.values():
+        subparser.formatter_class = _HelpFormatter
+    return parser
+
+
+def _add_bench(sub) -> None:
+    parser = sub.add_parser("bench", help="measure every policy side by side on a reference model")
+    parser.add_argument("--model", default="dense", help=MODEL_HELP)
+    parser.add_argument("--size", default="small", help="model size preset (tiny, small)")
+    parser.add_argument(
+        "--policies",
+        default=",".join(DEFAULT_POLICIES),
+        help=f"comma-separated presets (known: {', '.join(PRESETS)}) and offload rows "
+        f"({', '.join(OFFLOAD_VARIANTS)})",
+    )
+    parser.add_argument(
+        "--config",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="add a row for a config file (repeatable)",
+    )
+    parser.add_argument("--repeats", type=int, default=7, help="timed interleaved rounds")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
+    parser.add_argument(
+        "--overhead-repeats",
+        type=int,
+        default=12,
+        help="extra rounds timing full against plain torch.utils.checkpoint (0: none)",
+    )
+    parser.add_argument("--device", default="auto", help=DEVICE_HELP)
+    parser.add_argument(
+        "--ep",
+        type=int,
+        default=1,
+        help="expert-parallel ranks (moe only; launch with torchrun --nproc-per-node N -m actplan bench)",
+    )
+    parser.add_argument(
+        "--no-reference", action="store_true", help="skip the plain torch.utils.checkpoint reference row"
+    )
+    parser.add_argument("--json", metavar="PATH", help="write the full result as JSON")
+    parser.add_argument("--markdown", metavar="PATH", help="write a markdown report")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.set_defaults(run=bench)
+
+
+def _add_explain(sub) -> None:
+    parser = sub.add_parser("explain", help="print the per-layer plan a config resolves to")
+    parser.add_argument("--model", default="dense", help=MODEL_HELP)
+    parser.add_argument("--size", default="small", help=SIZE_HELP)
+    parser.add_argument("--config", required=True, help="preset name or YAML/JSON file")
+    parser.add_argument(
+        "--measure",
+        action="store_true",
+        help="also run a training step and report, per layer and kept unit, the bytes held at the "
+        "end of forward against what autograd keeps for the same ops without checkpointing",
+    )
+    parser.set_defaults(run=explain)
+
+
+def _add_profile_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="dense", help=MODEL_HELP)
+    parser.add_argument("--size", default="small", help=SIZE_HELP)
+    parser.add_argument("--device", default="auto", help=DEVICE_HELP)
+    parser.add_argument("--repeats", type=int, default=5, help="timed rounds per measurement")
+    parser.add_argument("--min-bytes", default="64KiB", help="offload size threshold of offload candidates")
+    parser.add_argument(
+        "--bandwidth",
+        help="host link bandwidth per direction, bytes/s (e.g. 25GB): replaces the measured figure "
+        "in offload's charge",
+    )
+    parser.add_argument("--cache-dir", help="profile cache (default ~/.cache/actplan/profiles)")
+    parser.add_argument("--refresh", action="store_true", help="profile again even if cached")
+    parser.add_argument("--json", metavar="PATH", help="write the result as JSON")
+    parser.add_argument("--quiet", action="store_true", help="no progress display")
+
+
+def _add_profile(sub) -> None:
+    parser = sub.add_parser("profile", help="measure each layer type's keep/recompute/offload candidates")
+    _add_profile_options(parser)
+    parser.set_defaults(run=profile)
+
+
+def _add_plan(sub) -> None:
+    parser = sub.add_parser("plan", help="the fastest plan under a memory budget: solve, write, run, check")
+    _add_profile_options(parser)
+    target = parser.add_mutually_exclusive_group(required=True)
+    target.add_argument(
+        "--budget",
+        help="bytes ('40GiB', '1.5GB') or a share of the no-checkpoint peak ('60%%')",
+    )
+    target.add_argument(
+        "--sweep",
+        action="store_true",
+        help="print every plan on the predicted memory/time front (no budget needed; nothing is run)",
+    )
+    parser.add_argument("--out", help="where to write the plan (YAML or JSON; default plan.yaml)")
+    parser.add_argument("--plot", default="pareto.png", help="Pareto plot (PNG); '' for none")
+    parser.add_argument("--no-run", action="store_true", help="solve and write only")
+    parser.set_defaults(run=plan)
+
+
+def _add_verify(sub) -> None:
+    parser = sub.add_parser("verify", help="run a plan next to no checkpointing and compare every step")
+    parser.add_argument("--model", default="dense", help=MODEL_HELP)
+    parser.add_argument("--size", default="tiny", help=SIZE_HELP)
+    parser.add_argument("--config", required=True, help="preset name or YAML/JSON file")
+    parser.add_argument("--steps", type=int, default=3, help="optimizer steps to compare")
+    parser.add_argument("--device", default="auto", help=DEVICE_HELP)
+    parser.add_argument(
+        "--atol", type=float, default=0.0, help="tolerance for losses and gradients (0: bit-identical)"
+    )
+    parser.add_argument(
+        "--check-recompute",
+        action="store_true",
+        help="also compare every replayed op with its forward value (keeps a copy of the layers' op outputs)",
+    )
+    parser.add_argument("--json", metavar="PATH", help="write the report as JSON")
+    parser.add_argument("--quiet", action="store_true", help="no progress display")
+    parser.set_defaults(run=verify)
+
+
+def _add_units(sub) -> None:
+    parser = sub.add_parser("units", help="list the recompute units (all, or those a model declares)")
+    parser.add_argument("--model", help="only the units this model declares (any --model form)")
+    parser.add_argument(
+        "--size", default="tiny", help="size of a built-in model given with --model (tiny, small)"
+    )
+    parser.set_defaults(run=units)
+
+
+_OUTPUT_OPTIONS = (("json", "--json"), ("markdown", "--markdown"), ("out", "--out"), ("plot", "--plot"))
+
+
+def _unwritable(path: Path) -> str | None:
+    """Why ``path`` cannot be written (its missing folders are made on writing); None if it can."""
+    if path.is_dir():
+        return "it is a directory; give a file path"
+    if path.exists():
+        return None if os.access(path, os.W_OK) else "the file is not writable"
+    folder = path.parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir():
+        return f"{str(folder)!r} is a file, not a folder"
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return f"no permission to write in {str(folder)!r}"
+    return None
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    """What can be checked before any work: the device and the output paths."""
+    if getattr(args, "device", None) is not None:
+        resolve_device(args.device)
+    for attribute, option in _OUTPUT_OPTIONS:
+        if getattr(args, attribute, None):
+            why = _unwritable(Path(getattr(args, attribute)))
+            if why is not None:
+                raise ValueError(
+                    f"cannot write {option} {getattr(args, attribute)!r}: {why}; choose another path "
+                    "(checked before any work)"
+                )

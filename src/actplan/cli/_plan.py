@@ -1,0 +1,125 @@
+"""``actplan profile`` and ``actplan plan`` (a budget, or ``--sweep`` for the whole predicted
+front): profile the model's layer types, solve, write and check the plan.
+
+Imports ``actplan.planning`` lazily (numpy and scipy come with it) and the CLI's helpers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from rich.console import Console
+
+from actplan._install.plan import format_indices
+from actplan.cli._console import progress_display, write_output
+from actplan.cli._tables import plan_table, profile_table, sweep_table
+from actplan.devices import resolve_device
+from actplan.sizes import mib, parse_bytes
+
+
+def _profile_inputs(args: argparse.Namespace):
+    """The model, the device and the profiling options (shared by ``profile`` and ``plan``)."""
+    from actplan.models import load_model
+
+    bundle = load_model(args.model, args.size)
+    device = resolve_device(args.device)
+    options = {
+        "cache_dir": Path(args.cache_dir) if args.cache_dir else None,
+        "refresh": args.refresh,
+        "repeats": args.repeats,
+        "min_bytes": parse_bytes(args.min_bytes),
+        "bandwidth": None if args.bandwidth is None else float(parse_bytes(args.bandwidth)),
+    }
+    return bundle, device, options
+
+
+def profile(args: argparse.Namespace, console: Console) -> int:
+    from actplan.planning.budget import get_profile
+
+    bundle, device, options = _profile_inputs(args)
+    with progress_display(console, args.quiet, "profiling") as progress:
+        measured, cached = get_profile(bundle, args.model, device, **options, progress=progress)
+    console.print(profile_table(measured))
+    console.print(
+        f"{'cached' if cached else 'measured in ' + format(measured.seconds_spent, '.1f') + ' s'}: "
+        f"parameters {mib(measured.param_bytes)} MiB, optimizer state {mib(measured.optimizer_bytes)} MiB, "
+        f"activations outside the layers {mib(measured.nonlayer_activation_bytes)} MiB; step without "
+        f"checkpointing {measured.base_seconds:.3f} s, peak {mib(measured.none_peak_bytes)} MiB "
+        f"(full: {mib(measured.full_peak_bytes)} MiB)"
+    )
+    if args.json:
+        write_output(args.json, measured.to_json(), console)
+    return 0
+
+
+def plan(args: argparse.Namespace, console: Console) -> int:
+    from actplan.planning.budget import plan_under_budget
+    from actplan.planning.planner import parse_budget
+
+    if args.sweep:
+        return _sweep(args, console)
+    parse_budget(args.budget, none_peak_bytes=1.0)  # a malformed budget fails before any work
+    bundle, device, options = _profile_inputs(args)
+    with progress_display(console, args.quiet, "profiling") as progress:
+        result = plan_under_budget(
+            bundle,
+            args.model,
+            args.budget,
+            device,
+            out=args.out or "plan.yaml",
+            plot=args.plot or None,
+            run=not args.no_run,
+            **options,
+            progress=progress,
+        )
+    for note in result.notes:
+        console.print(f"[yellow]note:[/] {note}")
+    console.print(plan_table(result))
+    _print_plan_outputs(result, args.json, console)
+    if result.measured is not None and not result.measured["loss_identical"]:
+        console.print("[red]the plan's loss differs from no checkpointing[/]")
+        return 1
+    return 0
+
+
+def _print_plan_outputs(result, json_path: str | None, console: Console) -> None:
+    """The plan's layers by candidate, and the files it wrote (config, plot, ``--json``)."""
+    by_candidate: dict[str, list[int]] = {}
+    for layer in result.layers:
+        by_candidate.setdefault(layer["candidate"], []).append(layer["index"])
+    for name, indices in by_candidate.items():
+        console.print(f"  layers {format_indices(indices)}: {name}")
+    if result.config_path:
+        console.print(
+            f"wrote {result.config_path} (run it with `actplan bench --config {result.config_path}`)"
+        )
+    if result.plot_path:
+        console.print(f"wrote {result.plot_path}")
+    if json_path:
+        write_output(json_path, json.dumps(result.to_dict(), indent=2) + "\n", console)
+
+
+def _sweep(args: argparse.Namespace, console: Console) -> int:
+    """``actplan plan --sweep``: the whole predicted front, nothing run."""
+    from actplan.planning.budget import get_profile, pareto_points, sweep, write_pareto_plot
+    from actplan.planning.planner import pareto_front, plan_summary
+
+    if args.out or args.no_run:
+        raise ValueError("--sweep writes no plan and runs nothing: drop --out and --no-run")
+    bundle, device, options = _profile_inputs(args)
+    with progress_display(console, args.quiet, "profiling") as progress:
+        measured, _ = get_profile(bundle, args.model, device, **options, progress=progress)
+    solutions = pareto_front(measured.problem())
+    front = sweep(measured, solutions)
+    console.print(sweep_table(measured.model, front, plan_summary))
+    if args.plot:
+        write_pareto_plot(
+            pareto_points(measured, solutions), args.plot, f"{measured.model} on {measured.device}"
+        )
+        console.print(f"wrote {args.plot}")
+    if args.json:
+        text = json.dumps({"model": measured.model, "front": front}, indent=2) + "\n"
+        write_output(args.json, text, console)
+    return 0

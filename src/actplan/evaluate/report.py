@@ -1,0 +1,137 @@
+"""The bench result as a markdown report: context, the policy table, offload, held bytes per
+kept unit, per-rank memory, engine overhead and marker cost.
+
+Reads only ``evaluate.bench``'s result types and ``actplan.sizes``; writes nothing itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from actplan.evaluate.bench import BenchResult
+from actplan.evaluate.contenders import PolicyRow
+from actplan.sizes import mib
+
+
+def to_markdown(result: BenchResult, *, sections: Sequence[str] = ()) -> str:
+    """The result as a markdown report. ``sections``: lines of further sections (a harness's
+    verdicts, say), placed after the tables and before the overhead and marker-cost notes."""
+    lines = [
+        *_context(result),
+        *_policy_table(result),
+        *_offload_table(result.rows),
+        *held_markdown(result.rows),
+        *_per_rank_memory(result.rows),
+        *sections,
+        *_overhead_and_marker_cost(result),
+    ]
+    return "\n".join(lines)
+
+
+def _context(result: BenchResult) -> list[str]:
+    return [
+        f"# actplan bench: {result.model}",
+        "",
+        f"- command: `{result.command}`",
+        f"- device: {result.device}; torch {result.torch_version}; {result.machine}",
+        f"- started: {result.started}; timing: {result.warmup} warm-up + {result.repeats} interleaved "
+        "rounds, median and interquartile spread",
+        f"- parameters: {mib(result.param_bytes)} MiB; analytic activation floor: "
+        f"{mib(result.floor_bytes)} MiB",
+        "",
+    ]
+
+
+def _policy_table(result: BenchResult) -> list[str]:
+    lines = [
+        "| policy | loss identical | max abs dgrad | grad census | activations @ fwd end (MiB) "
+        "| vs none | peak (MiB) | step median (s) | ratio to none |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    none = result.row("none")
+    for r in result.rows:
+        rel = r.activation_bytes / none.activation_bytes if none else float("nan")
+        lines.append(
+            f"| {r.name} | {'yes' if r.loss_identical else 'NO'} | {r.max_abs_grad_diff:.1e} | "
+            f"{'match' if r.census_match else 'MISMATCH'} | {mib(r.activation_bytes)} | {rel:.2f} | "
+            f"{mib(r.peak_bytes)} | {r.step_median_s:.3f} | {r.ratio_to_none:.3f} ± {r.ratio_spread:.3f} |"
+        )
+    return lines
+
+
+def _offload_table(rows: list[PolicyRow]) -> list[str]:
+    offloading = [r for r in rows if r.offloaded_bytes is not None]
+    if not offloading:
+        return []
+    lines = [
+        "",
+        "## Offload (over one training step)",
+        "",
+        "| policy | device-tier activations @ fwd end (MiB) | host-tier peak (MiB) "
+        "| moved to host (MiB) | moved back (MiB) | ratio to none |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in offloading:
+        lines.append(
+            f"| {r.name} | {mib(r.activation_bytes)} | {mib(r.host_peak_bytes)} | "
+            f"{mib(r.offloaded_bytes)} | {mib(r.reloaded_bytes)} | "
+            f"{r.ratio_to_none:.3f} ± {r.ratio_spread:.3f} |"
+        )
+    return lines
+
+
+def held_markdown(rows: list[PolicyRow]) -> list[str]:
+    """The per-unit table: what each selective row's kept units hold against autograd."""
+    selective = [r for r in rows if r.held_by_unit]
+    if not selective:
+        return []
+    lines = [
+        "",
+        "## Held per kept unit (end of forward, all layers)",
+        "",
+        "What a kept unit holds, against what autograd keeps for the same ops without checkpointing "
+        "(the tensors they save and those of their outputs any op saves); `routing` is the routing "
+        "and collective outputs every plan keeps.",
+        "",
+        "| policy | unit | held (KiB) | autograd keeps (KiB) | ratio |",
+        "|---|---|---|---|---|",
+    ]
+    for r in selective:
+        for unit, sizes in sorted(r.held_by_unit.items()):
+            held, autograd = sizes["held"], sizes["autograd"]
+            share = f"{held / autograd:.2f}" if autograd else ("0" if not held else "-")
+            lines.append(f"| {r.name} | {unit} | {held / 1024:.1f} | {autograd / 1024:.1f} | {share} |")
+    return lines
+
+
+def _per_rank_memory(rows: list[PolicyRow]) -> list[str]:
+    if not any(r.per_rank_memory for r in rows):
+        return []
+    lines = ["", "## Per-rank memory (activations @ fwd end / peak, MiB)", ""]
+    for r in rows:
+        per_rank = ", ".join(f"rank {i}: {mib(a)} / {mib(p)}" for i, (a, p) in enumerate(r.per_rank_memory))
+        lines.append(f"- {r.name}: {per_rank}")
+    return lines
+
+
+def _overhead_and_marker_cost(result: BenchResult) -> list[str]:
+    lines = []
+    if result.overhead_vs_torch_checkpoint:
+        o = result.overhead_vs_torch_checkpoint
+        lines += [
+            "",
+            f"Engine overhead, `full` through actplan against plain `torch.utils.checkpoint` per layer: "
+            f"median ratio {o['median']:.3f} (quartiles {o['q25']:.3f}-{o['q75']:.3f}) over {o['pairs']} "
+            "paired steps.",
+        ]
+    lines += [
+        "",
+        "## Marker cost",
+        "",
+        f"- `checkpoint_record` outside a checkpointed layer: {result.marker_cost_ns['outside_region']:.0f} "
+        "ns per call",
+        f"- inside a checkpointed layer (advances the region's interval state): "
+        f"{result.marker_cost_ns['inside_region']:.0f} ns per call",
+        "",
+    ]
+    return lines

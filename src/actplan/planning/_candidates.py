@@ -14,7 +14,7 @@ from torch import nn
 
 from actplan._engine.offload import quiet_empty_offload
 from actplan._install.apply import interval_map_of
-from actplan.config import PRESETS
+from actplan.config import PRESETS, preset_kept_units
 from actplan.planning._isolated import _IsolatedLayer
 from actplan.planning._records import CandidateProfile
 
@@ -69,11 +69,7 @@ def _presets(found: _Candidates, declared: list[str]) -> CandidateProfile:
     for preset_name, preset in PRESETS.items():
         if preset.mode != "selective":
             continue
-        if preset.kept_units is not None:
-            kept = [u for u in declared if u in {k.value for k in preset.kept_units}]
-        else:
-            recomputed = {k.value for k in preset.recomputed_units or ()}
-            kept = [u for u in declared if u not in recomputed]
+        kept = list(preset_kept_units(preset_name, declared))
         if kept:  # a preset with none of its units here is `full` with more overhead
             found.choose(found.measure(preset_name, "selective", kept))
     return full

@@ -1,0 +1,167 @@
+"""The layout docs/architecture.md draws, checked on the source: which layer may import which,
+that the core needs none of the optional extras, that modules stay small, and that the
+architecture page lists every module."""
+
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SRC = ROOT / "src" / "actplan"
+
+# Each layer and the layers it may import (besides itself). Lower layers never import higher ones.
+FOUNDATIONS = {"actplan.units", "actplan.markers", "actplan.sizes", "actplan._storage", "actplan.progress"}
+LAYERS: dict[str, set[str]] = {
+    "foundations": set(),
+    "engine": {"foundations"},
+    "config": {"foundations"},
+    "measure": {"foundations"},
+    "integrations": {"foundations", "config"},
+    "install": {"foundations", "engine", "config", "integrations"},
+    "face": {"foundations", "engine", "config", "install"},
+    "models": {"foundations", "integrations"},
+    "evaluate": {"foundations", "engine", "config", "install", "integrations", "measure", "models"},
+    "planning": {"foundations", "engine", "config", "install", "integrations", "measure", "models"},
+    "cli": {"foundations", "engine", "config", "install", "integrations", "measure", "models", "evaluate",
+            "planning", "face"},
+}
+# Third-party packages the core (engine, config, install and the public face) must not need.
+OPTIONAL = {"numpy", "scipy", "matplotlib", "rich", "transformers"}
+CORE = {"foundations", "engine", "config", "install", "face"}
+# Modules allowed past the size limit, each with the reason docs/architecture.md gives.
+SIZE_LIMIT = 450
+
+
+def layer_of(module: str) -> str:
+    if module in FOUNDATIONS:
+        return "foundations"
+    if module == "actplan":
+        return "face"
+    if module == "actplan.__main__":
+        return "cli"
+    second = module.split(".")[1]
+    return {
+        "_engine": "engine",
+        "config": "config",
+        "measure": "measure",
+        "integrations": "integrations",
+        "_install": "install",
+        "models": "models",
+        "evaluate": "evaluate",
+        "planning": "planning",
+        "cli": "cli",
+    }[second]
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(SRC.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imports_of(path: Path) -> set[str]:
+    """Every module ``path`` imports, at any depth in the file (lazy imports count too)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            assert not node.level, f"{path}: relative import; the project imports absolutely"
+            base = node.module or ""
+            # `from actplan import integrations` imports a submodule, not a name.
+            submodules = {f"{base}.{alias.name}" for alias in node.names} & set(_module_files())
+            found.update(submodules or {base})
+    return found
+
+
+def _module_files() -> dict[str, Path]:
+    return {module_name(p): p for p in sorted(SRC.rglob("*.py"))}
+
+
+MODULES = _module_files()
+
+
+def _own(name: str) -> str | None:
+    """The actplan module (or package) ``name`` refers to, if it is one of ours."""
+    while name:
+        if name in MODULES:
+            return name
+        name = name.rpartition(".")[0]
+    return None
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_imports_point_one_way(module):
+    layer = layer_of(module)
+    allowed = LAYERS[layer] | {layer}
+    wrong = []
+    for imported in sorted(imports_of(MODULES[module])):
+        own = _own(imported) if imported.startswith("actplan") else None
+        if imported == "actplan":
+            wrong.append("actplan (the public face: import the module that defines the name)")
+        elif own is not None and own != "actplan" and layer_of(own) not in allowed:
+            wrong.append(f"{imported} ({layer_of(own)})")
+        elif layer in CORE and imported.split(".")[0] in OPTIONAL:
+            wrong.append(f"{imported} (an optional extra; the core must import without it)")
+    assert not wrong, f"{module} ({layer}) may import {sorted(allowed)}, but imports: {wrong}"
+
+
+def test_the_engine_never_imports_config_planning_integrations_or_the_cli():
+    for module, path in MODULES.items():
+        if layer_of(module) != "engine":
+            continue
+        for imported in imports_of(path):
+            assert not re.match(r"actplan\.(config|planning|integrations|cli|_install)\b", imported), (
+                module,
+                imported,
+            )
+
+
+def test_the_core_imports_and_runs_without_the_optional_extras():
+    # A fresh interpreter where the extras cannot be imported: the engine, configs and install
+    # still work (the planning, CLI and HF parts say which extra to install).
+    blocked = ", ".join(repr(m) for m in sorted(OPTIONAL - {"numpy"}))
+    script = f"""
+import sys
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name.split('.')[0] in ({blocked},):
+            raise ModuleNotFoundError(f"blocked: {{name}}")
+sys.meta_path.insert(0, Block())
+import torch, actplan
+from actplan.models import build_model
+bundle = build_model('dense', 'tiny')
+actplan.apply(bundle.model, 'matmuls')
+bundle.model(**bundle.make_batch(0))['loss'].backward()
+assert not any(m.split('.')[0] in ({blocked},) for m in sys.modules)
+print('ok')
+"""
+    command = [sys.executable, "-c", script]
+    out = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
+
+
+def test_modules_stay_small_or_say_why():
+    doc = (ROOT / "docs" / "architecture.md").read_text()
+    too_long = []
+    for module, path in MODULES.items():
+        lines = len(path.read_text().splitlines())
+        if lines > SIZE_LIMIT and f"`{module}` is longer" not in doc:
+            too_long.append(f"{module}: {lines} lines")
+    assert not too_long, f"over {SIZE_LIMIT} lines without a reason in docs/architecture.md: {too_long}"
+
+
+def test_the_architecture_page_lists_every_module():
+    doc = (ROOT / "docs" / "architecture.md").read_text()
+    listed = set(re.findall(r"^\| `(actplan[\w.]*)` \|", doc, flags=re.MULTILINE))
+    assert listed == set(MODULES), (
+        f"missing from docs/architecture.md: {sorted(set(MODULES) - listed)}; "
+        f"listed but gone: {sorted(listed - set(MODULES))}"
+    )

@@ -16,7 +16,14 @@ ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src" / "actplan"
 
 # Each layer and the layers it may import (besides itself). Lower layers never import higher ones.
-FOUNDATIONS = {"actplan.units", "actplan.markers", "actplan.sizes", "actplan._storage", "actplan.progress"}
+FOUNDATIONS = {
+    "actplan.units",
+    "actplan.markers",
+    "actplan.sizes",
+    "actplan._storage",
+    "actplan.progress",
+    "actplan.devices",
+}
 LAYERS: dict[str, set[str]] = {
     "foundations": set(),
     "engine": {"foundations"},

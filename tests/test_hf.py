@@ -14,6 +14,7 @@ import actplan
 from actplan.config import ConfigError
 from actplan.integrations import hf
 from actplan.measure import MemoryMeter, OpCounter, capture_step, compare_steps
+from actplan.models import hf as hf_models
 from actplan.units import MarkerInterval
 
 transformers = pytest.importorskip("transformers")
@@ -84,9 +85,9 @@ def _step_batch(model, batch, metered=False):
     return capture_step(model, loss), meter.report().marks["forward_end"].activation_bytes
 
 
-@pytest.fixture(scope="module", params=hf.REFERENCE_KINDS)
+@pytest.fixture(scope="module", params=hf_models.REFERENCE_KINDS)
 def architecture(request):
-    model, make_batch = hf.reference_model(request.param, "tiny", layers=2)
+    model, make_batch = hf_models.reference_model(request.param, "tiny", layers=2)
     batch = make_batch(0)
     baseline, none_bytes = _step_batch(copy.deepcopy(model), batch, metered=True)
     return request.param, model, batch, baseline, none_bytes
@@ -112,7 +113,7 @@ def test_every_architecture_is_exact_and_holds_less_than_none(architecture, conf
 
 
 def _units(kind: str) -> dict[str, list]:
-    model, _ = hf.reference_model(kind, "tiny", layers=2)
+    model, _ = hf_models.reference_model(kind, "tiny", layers=2)
     (_, layer), *_ = hf.decoder_layers(model)
     return {unit.value: list(spans) for unit, spans in hf.known_interval_map(layer).items()}
 
@@ -258,7 +259,7 @@ def test_state_dict_and_save_pretrained_are_unaffected(tmp_path):
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
 @pytest.mark.parametrize("config", ["matmuls", OFFLOAD], ids=["matmuls", "offload"])
 def test_torch_save_of_a_planned_hf_model_loads_it_declared_without_the_plan(kind, config, tmp_path):
-    model, make_batch = hf.reference_model(kind, "tiny", layers=2)
+    model, make_batch = hf_models.reference_model(kind, "tiny", layers=2)
     batch = make_batch(0)
     baseline, _ = _step_batch(copy.deepcopy(model), batch)
     actplan.apply(model, config)
@@ -347,7 +348,7 @@ def test_layouts_given_to_apply_or_declare_are_used_and_kept():
 
 
 def test_a_layout_overrides_a_derived_one_and_none_leaves_a_class_alone():
-    model, _ = hf.reference_model("gemma2", "tiny", layers=2)
+    model, _ = hf_models.reference_model("gemma2", "tiny", layers=2)
     mine = {
         "qkv_proj": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
         "mlp_up": ["mlp.up_proj"],

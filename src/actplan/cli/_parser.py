@@ -17,14 +17,14 @@ from actplan.cli._plan import plan, profile
 from actplan.config import PRESETS
 from actplan.devices import resolve_device
 from actplan.evaluate.bench import DEFAULT_POLICIES, OFFLOAD_VARIANTS
-from actplan.integrations import hf
 from actplan.models import MODELS
+from actplan.models import hf as hf_models
 
 SUMMARY = "The actplan command line: bench (the main job), profile, plan, verify, explain and units."
 DEVICE_HELP = "auto (CUDA when there is one), cpu, cuda or cuda:<index>"
 MODEL_HELP = (
     f"built-in ({', '.join(MODELS)}), hf-<kind> (a random-weight transformers model; kinds: "
-    f"{', '.join(hf.REFERENCE_KINDS)}), or package.module:factory"
+    f"{', '.join(hf_models.REFERENCE_KINDS)}), or package.module:factory"
 )
 SIZE_HELP = "size of a built-in model (tiny, small)"
 

@@ -21,23 +21,21 @@ is never imported here, except by ``reference_model``.
 
 from __future__ import annotations
 
-import functools
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
 
 from actplan.config import ConfigError
+from actplan.integrations._hf_hooks import install_hooks
 from actplan.integrations.hf_derive import (
     ATTENTION_INPUTS,
-    PROJECTED,
     Span,
     derive_layout,
     submodule_names,
 )
-from actplan.markers import checkpoint_record
 from actplan.units import MarkerInterval, RecomputeIntervalMap, RecomputeUnit, parse_unit
 
 Layout = Mapping[RecomputeUnit | str, Sequence[Span]]
@@ -276,90 +274,6 @@ def layout_error(model: nn.Module, problems: Sequence[FoundLayer] = ()) -> Confi
     )
 
 
-class _AfterProjections:
-    """Emits ``"<attention>:projected"`` once every input projection of the attention has run
-    in the current call, whatever their order; or, if one did not run, before the span's end."""
-
-    def __init__(self, marker: str, projections: Sequence[str]) -> None:
-        self.marker = marker
-        self.count = len(set(projections))
-        self.seen: set[str] = set()
-        self.emitted = False
-
-    def projection_hook(self, name: str) -> Callable[..., None]:
-        # A partial of a method, not a closure: a pickled model keeps its hooks.
-        return functools.partial(self.projection_ran, name)
-
-    def projection_ran(self, name: str, *_: Any) -> None:
-        if name in self.seen:  # a new call of the attention (or a replay) began
-            self.seen.clear()
-            self.emitted = False
-        self.seen.add(name)
-        if not self.emitted and len(self.seen) == self.count:
-            self.emitted = True
-            checkpoint_record(self.marker)
-
-    def before_end(self, *_: Any) -> None:
-        if not self.emitted:
-            checkpoint_record(self.marker)
-        self.seen.clear()
-        self.emitted = False
-
-
-class _Mark:
-    """A module hook that records one marker; a class (not a closure) so that
-    ``torch.save(model)`` pickles a declared model, hooks and all."""
-
-    __slots__ = ("marker",)
-
-    def __init__(self, marker: str) -> None:
-        self.marker = marker
-
-    def __call__(self, *_: Any) -> None:
-        checkpoint_record(self.marker)
-
-    def __reduce__(self) -> tuple[Any, tuple[str]]:
-        return (_Mark, (self.marker,))
-
-
-def _install_hooks(layer: nn.Module, interval_map: RecomputeIntervalMap, handles: list[Any]) -> None:
-    markers = interval_map.markers
-    for name, sub in layer.named_modules():
-        if f"{name}:enter" in markers:
-            handles.append(sub.register_forward_pre_hook(_Mark(f"{name}:enter")))
-        if f"{name}:exit" in markers:
-            handles.append(sub.register_forward_hook(_Mark(f"{name}:exit")))
-    projected = sorted(m for m in markers if m.endswith(f":{PROJECTED}"))
-    for marker in projected:
-        attention = marker.rpartition(":")[0]
-        projections = [
-            span.start.rpartition(":")[0]
-            for span in interval_map.get(RecomputeUnit.QKV_PROJ, ())
-            if span.start.endswith(":enter") and (not attention or span.start.startswith(f"{attention}."))
-        ]
-        if not projections:
-            raise ConfigError(
-                f"{type(layer).__name__}: point {marker!r} follows the layout's qkv_proj modules "
-                f"under {attention or 'the layer'}, and the layout declares none there; list them "
-                "under qkv_proj or start the span at a module's ':exit'"
-            )
-        point = _AfterProjections(marker, projections)
-        for path in projections:
-            # After the projection's own exit marker, registered above.
-            handles.append(layer.get_submodule(path).register_forward_hook(point.projection_hook(path)))
-        for span in interval_map.values():
-            for interval in span:
-                if interval.start != marker:
-                    continue
-                end_path, _, end_kind = interval.end.rpartition(":")
-                end = layer.get_submodule(end_path)
-                # Before the end marker's own hook: prepended.
-                if end_kind == "enter":
-                    handles.append(end.register_forward_pre_hook(point.before_end, prepend=True))
-                else:
-                    handles.append(end.register_forward_hook(point.before_end, prepend=True))
-
-
 def _check_hf_checkpointing_off(model: nn.Module) -> None:
     if any(getattr(m, "gradient_checkpointing", False) for m in model.modules()):
         raise ConfigError(
@@ -389,7 +303,7 @@ def declare(model: nn.Module, layouts: Layouts | None = None) -> int:
     state = _Declared(layouts=dict(layouts or {}))
     try:
         for layer in found:
-            _install_hooks(layer.module, layer.interval_map, state.handles)
+            install_hooks(layer.module, layer.interval_map, state.handles)
             layer.module.recompute_intervals = layer.interval_map
             state.layers.append(layer.module)
     except BaseException:
@@ -484,100 +398,6 @@ def _format_interval(interval: MarkerInterval) -> str:
     if start_path == end_path and (start_kind, end_kind) == ("enter", "exit"):
         return start_path
     return f"[{interval.start}, {interval.end})"
-
-
-# ---------------------------------------------------------------------------------------------
-# Small random-weight models of the supported architectures (tests, verify, bench)
-
-_REFERENCE_SHAPES = {
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-                 num_key_value_heads=2, vocab_size=128, max_position_embeddings=64),
-    "small": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
-                  num_key_value_heads=2, vocab_size=4096, max_position_embeddings=1024),
-}  # fmt: skip
-_BATCH = {"tiny": (2, 16), "small": (2, 256)}
-
-
-def _moe(shapes: dict[str, int]) -> int:
-    return shapes["intermediate_size"] // 4
-
-
-def _alternating(layers: int) -> list[str]:
-    return ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
-
-
-# kind -> (config class, model class, extra config arguments from the shapes). Test fixtures,
-# one per family the derivation is checked on: nothing else reads these class names.
-_REFERENCE_MODELS: dict[str, tuple[str, str, Callable[[dict[str, int]], dict[str, Any]]]] = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM", lambda s: {}),
-    "mistral": ("MistralConfig", "MistralForCausalLM", lambda s: {"sliding_window": None}),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", lambda s: {}),
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", lambda s: {"head_dim": 16}),
-    "qwen3-moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", lambda s: {
-        "head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": _moe(s),
-        "mlp_only_layers": [0]}),
-    "gpt2": ("GPT2Config", "GPT2LMHeadModel", lambda s: {
-        "n_embd": s["hidden_size"], "n_layer": s["num_hidden_layers"], "n_head": s["num_attention_heads"],
-        "n_inner": s["intermediate_size"], "n_positions": s["max_position_embeddings"]}),
-    "mixtral": ("MixtralConfig", "MixtralForCausalLM", lambda s: {
-        "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": _moe(s)}),
-    "qwen2-moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", lambda s: {
-        "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": _moe(s),
-        "shared_expert_intermediate_size": s["intermediate_size"] // 2}),
-    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", lambda s: {
-        "head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 8,
-        "layer_types": _alternating(s["num_hidden_layers"])}),
-    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", lambda s: {
-        "head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 8,
-        "layer_types": _alternating(s["num_hidden_layers"])}),
-    "phi3": ("Phi3Config", "Phi3ForCausalLM", lambda s: {}),
-    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", lambda s: {}),
-    "deepseek-v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", lambda s: {
-        "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": _moe(s),
-        "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1,
-        "q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
-        "v_head_dim": 16}),
-}  # fmt: skip
-REFERENCE_KINDS = tuple(_REFERENCE_MODELS)
-
-
-def reference_model(kind: str, size: str = "tiny", layers: int | None = None) -> tuple[nn.Module, Any]:
-    """A randomly initialised ``transformers`` model of ``kind`` and a batch maker: what
-    ``--model hf-<kind>`` runs (``layers`` overrides the size's layer count). Needs
-    ``transformers`` (``pip install actplan[hf]``)."""
-    if kind not in REFERENCE_KINDS or size not in _REFERENCE_SHAPES:
-        raise ValueError(
-            f"unknown Hugging Face reference model hf-{kind} ({size}); kinds: {', '.join(REFERENCE_KINDS)}, "
-            f"sizes: {', '.join(_REFERENCE_SHAPES)}"
-        )
-    try:
-        import torch
-        import transformers
-    except ImportError:
-        raise ValueError("hf-* models need transformers: pip install 'actplan[hf]'") from None
-    shapes = dict(_REFERENCE_SHAPES[size])
-    if layers is not None:
-        shapes["num_hidden_layers"] = layers
-    config_name, model_name, extra = _REFERENCE_MODELS[kind]
-    config_class = getattr(transformers, config_name, None)
-    if config_class is None:
-        raise ValueError(
-            f"hf-{kind} needs transformers.{config_name}, which transformers {transformers.__version__} "
-            "does not have; upgrade transformers"
-        )
-    # Token ids inside the small vocabulary; no KV cache (see declare).
-    arguments = {**shapes, "use_cache": False, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
-    torch.manual_seed(0)
-    model = getattr(transformers, model_name)(config_class(**{**arguments, **extra(shapes)}))
-    rows, seq = _BATCH[size]
-    vocab = shapes["vocab_size"]
-
-    def make_batch(seed: int) -> dict[str, Any]:
-        gen = torch.Generator().manual_seed(seed)
-        ids = torch.randint(0, vocab, (rows, seq + 1), generator=gen)
-        return {"input_ids": ids[:, :-1].contiguous(), "labels": ids[:, :-1].contiguous()}
-
-    return model.train(), make_batch
 
 
 class _HuggingFace:

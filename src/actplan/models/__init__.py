@@ -134,12 +134,12 @@ def load_model(spec: str, size: str = "small") -> ModelBundle:
     if spec in MODELS:
         return build_model(spec, size)
     if spec.startswith("hf-"):
-        from actplan.integrations.hf import reference_model
+        from actplan.models.hf import reference_model
 
         model, make_batch = reference_model(spec[3:], size)
         return ModelBundle(spec, size, model, make_batch, f"{spec} {size} (transformers, random weights)")
     if ":" not in spec:
-        from actplan.integrations.hf import REFERENCE_KINDS
+        from actplan.models.hf import REFERENCE_KINDS
 
         raise ValueError(
             f"unknown model {spec!r}: give a built-in name ({', '.join(MODELS)}), a Hugging Face "

@@ -115,7 +115,7 @@ def test_a_frontier_past_its_limit_falls_back_to_the_milp(monkeypatch):
     budget = 40 * MIB
     exact = solve(problem, budget)
     monkeypatch.setattr(_frontier, "FRONTIER_LIMIT", 2)
-    with pytest.raises(_frontier.FrontierTooLarge):
+    with pytest.raises(_frontier._FrontierTooLarge):
         _frontier.frontier(_frontier.reduced(problem)[0], budget)
     assert solve(problem, budget).predicted_seconds == pytest.approx(exact.predicted_seconds, abs=1e-12)
 

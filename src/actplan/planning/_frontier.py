@@ -24,7 +24,7 @@ FRONTIER_LIMIT = 400_000
 THIN = 16
 
 
-class FrontierTooLarge(Exception):
+class _FrontierTooLarge(Exception):
     """A layer's frontier grew past ``FRONTIER_LIMIT`` states; the MILP answers instead."""
 
 
@@ -211,7 +211,7 @@ class _Walk:
         survive = self._staircase(order, next_tail[order], new_score[order], potential, thin)
         chosen = order[survive]
         if len(chosen) > FRONTIER_LIMIT:
-            raise FrontierTooLarge(f"{len(chosen)} states at layer {i}")
+            raise _FrontierTooLarge(f"{len(chosen)} states at layer {i}")
         self.prefix, self.score, self.tail = new_prefix[chosen], new_score[chosen], next_tail[chosen]
         self.parents.append(chosen // k)
         self.picks.append(chosen % k)
@@ -262,7 +262,7 @@ def frontier(
     whenever one exists, since the least-bytes state of every tail survives.
 
     ``problem`` holds undominated candidates only (``reduced``); returns choices indexing
-    them, ``None`` when nothing fits; raises ``FrontierTooLarge`` past ``FRONTIER_LIMIT``
+    them, ``None`` when nothing fits; raises ``_FrontierTooLarge`` past ``FRONTIER_LIMIT``
     states.
     """
     if budget is not None and problem.optimizer_phase_bytes > budget:

@@ -193,7 +193,7 @@ def _exact(problem: PlanProblem, budget: float | None) -> tuple[int, ...] | None
     smaller, keep = _frontier.reduced(problem)
     try:
         choices = _frontier.search(smaller, budget)
-    except _frontier.FrontierTooLarge:
+    except _frontier._FrontierTooLarge:
         return _milp.milp(problem, budget)
     if choices is None:
         return None

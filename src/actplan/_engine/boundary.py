@@ -181,6 +181,24 @@ def restore_forward(module: nn.Module, previous: Callable[..., Any] | None) -> N
         module.forward = previous
 
 
+def install_forward(module: nn.Module, attr: str, state: Any, function: Callable[..., Any]) -> None:
+    """Store a wrapper's ``state`` (which records ``previous_forward``) on ``module`` under
+    ``attr`` and make its forward ``function(module, ...)``: the one way the checkpoint and
+    offload wrappers install themselves."""
+    module.__dict__[attr] = state
+    # Not a closure: copy.deepcopy rebinds it to the copy, and pickling drops it.
+    module.forward = InstanceForward(function, module, state.previous_forward)
+
+
+def uninstall_forward(module: nn.Module, attr: str) -> bool:
+    """Undo ``install_forward``; returns whether a wrapper was there."""
+    state = module.__dict__.pop(attr, None)
+    if state is None:
+        return False
+    restore_forward(module, state.previous_forward)
+    return True
+
+
 def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     state: CheckpointState = getattr(self, _STATE_ATTR)
     inner = inner_forward(self, state.previous_forward)
@@ -272,23 +290,18 @@ def apply_gradient_checkpointing(
     """
     _check_wrappable(module, context_fn, policy, marker_check)
     previous = module.__dict__.get("forward")
-    setattr(
-        module,
-        _STATE_ATTR,
-        CheckpointState(
-            context_fn=context_fn,
-            policy=policy,
-            preserve_rng_state=preserve_rng_state,
-            early_stop=early_stop,
-            determinism_check=determinism_check,
-            previous_forward=previous,
-            owner=owner,
-            name=name,
-            marker_check=marker_check,
-        ),
+    state = CheckpointState(
+        context_fn=context_fn,
+        policy=policy,
+        preserve_rng_state=preserve_rng_state,
+        early_stop=early_stop,
+        determinism_check=determinism_check,
+        previous_forward=previous,
+        owner=owner,
+        name=name,
+        marker_check=marker_check,
     )
-    # Not a closure: copy.deepcopy rebinds it to the copy, and pickling drops it.
-    module.forward = InstanceForward(_checkpointed_forward, module, previous)
+    install_forward(module, _STATE_ATTR, state, _checkpointed_forward)
     return module
 
 
@@ -305,8 +318,4 @@ def checkpoint_state(module: nn.Module) -> CheckpointState | None:
 
 def remove_gradient_checkpointing(module: nn.Module) -> bool:
     """Undo ``apply_gradient_checkpointing``; returns whether the module was wrapped."""
-    state = module.__dict__.pop(_STATE_ATTR, None)
-    if state is None:
-        return False
-    restore_forward(module, state.previous_forward)
-    return True
+    return uninstall_forward(module, _STATE_ATTR)

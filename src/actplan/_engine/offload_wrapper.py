@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from actplan._engine.boundary import InstanceForward, RuntimeOnly, inner_forward, restore_forward
+from actplan._engine.boundary import RuntimeOnly, inner_forward, install_forward, uninstall_forward
 from actplan._storage import storage_keys
 from actplan.markers import routing_markers
 from actplan.units import marker_index
@@ -116,7 +116,7 @@ def apply_offload(
         raise ValueError(f"{name} already has an offload wrapper; call remove_offload(module) first")
     opens, closes = marker_index(intervals)
     previous = module.__dict__.get("forward")
-    module.__dict__[_STATE_ATTR] = OffloadState(
+    state = OffloadState(
         engine=engine,
         name=name,
         layer_input=layer_input,
@@ -126,7 +126,7 @@ def apply_offload(
         previous_forward=previous,
         position=position,
     )
-    module.forward = InstanceForward(_offloaded_forward, module, previous)
+    install_forward(module, _STATE_ATTR, state, _offloaded_forward)
     return module
 
 
@@ -137,8 +137,4 @@ def is_offloaded(module: nn.Module) -> bool:
 
 def remove_offload(module: nn.Module) -> bool:
     """Undo ``apply_offload``; returns whether the module was wrapped."""
-    state = module.__dict__.pop(_STATE_ATTR, None)
-    if state is None:
-        return False
-    restore_forward(module, state.previous_forward)
-    return True
+    return uninstall_forward(module, _STATE_ATTR)

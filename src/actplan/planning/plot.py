@@ -7,16 +7,52 @@ extra check; the points' type only for annotations.
 
 from __future__ import annotations
 
+import contextlib
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from actplan.planning._extra import require
 
 if TYPE_CHECKING:
     from actplan.planning.budget import ParetoPoint
 
-__all__ = ["write_pareto_plot"]
+__all__ = ["pareto_axes", "write_pareto_plot"]
+
+
+@contextlib.contextmanager
+def pareto_axes(
+    path: str | Path,
+    title: str,
+    *,
+    ylabel: str = "step time / no checkpointing",
+    figsize: tuple[float, float] = (7.5, 4.8),
+    dpi: int = 120,
+) -> Iterator[Any]:
+    """Axes for a memory / step-time plot (peak MiB on x, time ratio on y): the caller draws,
+    then the labels, title, grid and legend are set and the PNG is written to ``path``.
+    The one set-up behind every Pareto plot (this module's, the peers bench's). Needs the
+    ``cli`` extra (matplotlib)."""
+    require("matplotlib", extra="cli")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=figsize)
+    try:
+        yield ax
+        ax.set_xlabel("peak memory of a training step (MiB)")
+        ax.set_ylabel(ylabel)
+        ax.set_title(textwrap.fill(title, 100), fontsize=8)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=dpi)
+    finally:
+        plt.close(fig)
 
 
 def write_pareto_plot(
@@ -24,13 +60,11 @@ def write_pareto_plot(
 ) -> None:
     """Memory (x) against step-time ratio (y): presets labelled, planner plans as a line,
     the requested plan's prediction and measurement highlighted. Needs the ``cli`` extra."""
-    require("matplotlib", extra="cli")
-    import matplotlib
+    with pareto_axes(path, title) as ax:
+        _draw(ax, points, requested)
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+def _draw(ax: Any, points: list[ParetoPoint], requested: dict[str, float] | None) -> None:
     plans = sorted((p for p in points if p.kind == "plan"), key=lambda p: p.peak_bytes)
     ax.plot(
         [p.peak_bytes / 2**20 for p in plans],
@@ -74,12 +108,3 @@ def write_pareto_plot(
                 label="requested plan (measured)",
             )
         ax.axvline(requested["budget_bytes"] / 2**20, color="tab:red", linestyle=":", label="budget")
-    ax.set_xlabel("peak memory of a training step (MiB)")
-    ax.set_ylabel("step time / no checkpointing")
-    ax.set_title(textwrap.fill(title, 100), fontsize=8)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)

@@ -3,10 +3,10 @@ memory, goals, plans, CPU-side overhead) and its plot of peak against step-time 
 
 from __future__ import annotations
 
-import textwrap
 from pathlib import Path
 from typing import Any
 
+from actplan.planning.plot import pareto_axes
 from actplan.sizes import mib
 from bench.peer_methods import COMPILE_BACKEND
 from bench.peers_compare import AUTOMATIC_PEER_GAIN
@@ -203,32 +203,20 @@ PLOT_STYLES: dict[str, tuple[str, str, str]] = {
 
 def write_plot(out: dict[str, Any], path: Path) -> None:
     """Peak (x) against step-time ratio (y): the planner's predicted front, and every measured row."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 5))
-    front = sorted((p for p in out["pareto"] if p["kind"] == "plan"), key=lambda p: p["peak_bytes"])
-    ax.plot(
-        [p["peak_bytes"] / 2**20 for p in front],
-        [p["time_ratio"] for p in front],
-        "-",
-        drawstyle="steps-post",
-        color="tab:blue",
-        alpha=0.5,
-        label="planner, predicted (budget sweep)",
-    )
-    _plot_rows(ax, out["rows"])
-    ax.set_xlabel("peak memory of a training step (MiB)")
-    ax.set_ylabel("step time / no checkpointing (measured)")
-    ax.set_title(textwrap.fill(f"{out['model']} (CPU, torch {out['torch_version']})", 100), fontsize=8)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    title = f"{out['model']} (CPU, torch {out['torch_version']})"
+    ylabel = "step time / no checkpointing (measured)"
+    with pareto_axes(path, title, ylabel=ylabel, figsize=(8, 5), dpi=110) as ax:
+        front = sorted((p for p in out["pareto"] if p["kind"] == "plan"), key=lambda p: p["peak_bytes"])
+        ax.plot(
+            [p["peak_bytes"] / 2**20 for p in front],
+            [p["time_ratio"] for p in front],
+            "-",
+            drawstyle="steps-post",
+            color="tab:blue",
+            alpha=0.5,
+            label="planner, predicted (budget sweep)",
+        )
+        _plot_rows(ax, out["rows"])
 
 
 def _plot_rows(ax: Any, rows: list[dict[str, Any]]) -> None:

@@ -22,7 +22,7 @@ PLAN_SHARES = (0.5, 0.15)
 
 def _profile(ctx: StageContext, bundle: ModelBundle, model: str) -> tuple[Any, bool]:
     """The model's profile, shared by the stages through the suite's profile cache."""
-    from actplan.planning.budget import get_profile
+    from actplan.planning.cache import get_profile
 
     return get_profile(
         bundle,

@@ -64,6 +64,7 @@ if importlib.util.find_spec("actplan") is None and (REPO / "src" / "actplan").is
 
 import torch  # noqa: E402
 
+from actplan.devices import resolve_device  # noqa: E402
 from actplan.evaluate.bench import TORCH_CHECKPOINT as TORCH_CHECKPOINT  # noqa: E402  (tests read it here)
 from bench.gpu_context import SETTINGS, STAGE_ORDER, StageContext, say  # noqa: E402
 from bench.gpu_report import StageReport, device_name, fmt_value, json_safe  # noqa: E402
@@ -308,9 +309,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def _resolve_device_and_scale(args: argparse.Namespace) -> torch.device:
     """``--device auto`` and a missing ``--scale`` made concrete; ``gpu`` sizes off CUDA refused."""
-    if args.device == "auto":
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(args.device)
+    try:
+        device = resolve_device(args.device)
+    except ValueError as err:
+        raise SystemExit(f"--device: {err}") from None
+    args.device = str(device)
     if args.scale is None:
         args.scale = "gpu" if device.type == "cuda" else "tiny"
     if args.scale == "gpu" and device.type != "cuda":

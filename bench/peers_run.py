@@ -25,7 +25,8 @@ from actplan.evaluate.contenders import (
 )
 from actplan.measure import TimingStats, compare_steps
 from actplan.models import ModelBundle, build_model
-from actplan.planning.budget import get_profile, pareto_points
+from actplan.planning.budget import pareto_points
+from actplan.planning.cache import get_profile
 from actplan.planning.profile import ModelProfile
 from bench.peer_methods import (
     COMPILE_BACKEND,

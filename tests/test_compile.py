@@ -139,12 +139,12 @@ def test_compiled_graph_saves_what_the_eager_plan_keeps(preset):
     # Eager: the memory meter's retained bytes of the layer alone (what the plan leaves alive
     # at the end of its forward). Compiled: the storages the compiled graph saves for
     # backward. Same plan, same bytes: the policy shaped the compiled graph.
-    from actplan.planning._isolated import _capture_layer_inputs, _IsolatedLayer
+    from actplan.planning._isolated import IsolatedLayer, capture_layer_inputs
 
     bundle = build_model("dense", "tiny", n_layers=1, batch_size=8, seq_len=32)
-    (_, args, kwargs) = _capture_layer_inputs(bundle.model, bundle.make_batch(0))[0]
+    (_, args, kwargs) = capture_layer_inputs(bundle.model, bundle.make_batch(0))[0]
     layer = find_layers(bundle.model)[0][1]
-    isolated = _IsolatedLayer(layer, args, kwargs, 0)
+    isolated = IsolatedLayer(layer, args, kwargs, 0)
     eager = _eager_retained(layer, isolated, preset)
     compiled = _compiled_saved(layer, isolated, preset, bundle.model)
     # The compiled graph also saves a few small tensors (RNG and mask state, about 5 KB).

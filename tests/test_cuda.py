@@ -220,11 +220,11 @@ def test_meter_peak_is_within_two_percent_of_max_memory_allocated(preset):
 
 
 def _layer_and_inputs(bundle):
-    from actplan.planning._isolated import _capture_layer_inputs, _IsolatedLayer
+    from actplan.planning._isolated import IsolatedLayer, capture_layer_inputs
 
-    (_, args, kwargs) = _capture_layer_inputs(bundle.model, batch_on(bundle, CUDA))[0]
+    (_, args, kwargs) = capture_layer_inputs(bundle.model, batch_on(bundle, CUDA))[0]
     layer = find_layers(bundle.model)[0][1]
-    return layer, _IsolatedLayer(layer, args, kwargs, 0)
+    return layer, IsolatedLayer(layer, args, kwargs, 0)
 
 
 @pytest.mark.compile

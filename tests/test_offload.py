@@ -15,7 +15,8 @@ from torch import nn
 
 import actplan
 from actplan._engine.host_pool import HostPool, size_class
-from actplan._engine.offload import OffloadedTensorMutatedError, OffloadEngine, _Handle, _Moved
+from actplan._engine.offload import OffloadedTensorMutatedError, OffloadEngine
+from actplan._engine.offload_moves import Handle, Moved
 from actplan.config import ConfigError
 from actplan.markers import checkpoint_record
 from actplan.measure import MemoryMeter, capture_step, compare_steps
@@ -83,7 +84,7 @@ def test_round_trip_is_byte_exact_and_moves_each_storage_once(data, dtype, shape
     moved_storages = sum(1 for s in range(storages) if _random_tensor(dtype, shape, s).numel())
     assert engine.stats.bytes_offloaded == unique_bytes
     assert engine.stats.storages_moved == moved_storages
-    restored = [s.materialize() if isinstance(s, _Handle) else s for s in saved]
+    restored = [s.materialize() if isinstance(s, Handle) else s for s in saved]
     for tensor, (values, shape_, stride, offset) in zip(restored, expected, strict=True):
         assert tensor.dtype == values.dtype
         assert tensor.shape == shape_ and tensor.stride() == stride and tensor.storage_offset() == offset
@@ -183,7 +184,7 @@ class _CollectingEvent:
 
 
 def test_pool_release_from_a_finalizer_inside_acquire_does_not_deadlock():
-    # A real offloaded storage (_Moved) in a reference cycle: only the collector frees it, and its
+    # A real offloaded storage (Moved) in a reference cycle: only the collector frees it, and its
     # __del__ returns its host buffer to the pool. Here that collection runs while acquire holds
     # the pool's lock (waiting on a reused buffer's event), on the same thread.
     engine = OffloadEngine(min_bytes=0, pin=False)
@@ -195,7 +196,7 @@ def test_pool_release_from_a_finalizer_inside_acquire_does_not_deadlock():
         gc_was_enabled = gc.isenabled()
         gc.disable()  # keep the cycle alive until the collection inside acquire
         try:
-            cycle: list[object] = [_Moved(engine, torch.randn(1024), 4096)]
+            cycle: list[object] = [Moved(engine, torch.randn(1024), 4096)]
             cycle.append(cycle)
             del cycle
             outcome.append(pool.acquire(3000))

@@ -73,12 +73,12 @@ def test_profile_predicts_the_measured_peaks_of_none_and_full(dense, moe):
 
 def test_unit_seconds_times_each_units_own_forward():
     from actplan._install.apply import find_layers, interval_map_of
-    from actplan.planning._isolated import _capture_layer_inputs, _IsolatedLayer
+    from actplan.planning._isolated import IsolatedLayer, capture_layer_inputs
 
     bundle = build_model("dense", "tiny", batch_size=8, seq_len=64)
     (_, layer), *_ = find_layers(bundle.model)
-    (_, args, kwargs), *_ = _capture_layer_inputs(bundle.model, bundle.make_batch(0))
-    isolated = _IsolatedLayer(layer, args, kwargs, 0)
+    (_, args, kwargs), *_ = capture_layer_inputs(bundle.model, bundle.make_batch(0))
+    isolated = IsolatedLayer(layer, args, kwargs, 0)
     units = [u.value for u in interval_map_of(layer).units]
     seconds = isolated.unit_seconds(interval_map_of(layer), units)
     assert set(seconds) == set(units) and all(s >= 0 for s in seconds.values())

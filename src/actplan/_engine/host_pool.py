@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-__all__ = ["HostBuffer", "HostPool", "StreamCopies", "SyncCopies", "event_done", "size_class", "wait_event"]
+__all__ = ["HostBuffer", "HostPool", "StreamCopies", "SyncCopies", "event_done", "size_class"]
 
 # ---------------------------------------------------------------------------------------------
 # Host tier
@@ -79,7 +79,7 @@ class HostPool:
         self._free: dict[int, list[tuple[torch.Tensor, Any]]] = defaultdict(list)
         self._lock = threading.Lock()
         # Releases wait here until someone holds the lock: a release can come from a finalizer
-        # (``_Moved.__del__``) that a garbage collection runs inside ``acquire``, on the thread
+        # (``Moved.__del__``) that a garbage collection runs inside ``acquire``, on the thread
         # that already holds the lock. deque.append is atomic, so it needs no lock of its own.
         self._released: deque[tuple[HostBuffer, Any]] = deque()
         self.reserved_bytes = 0

@@ -15,7 +15,7 @@ and prefetches the groups that ran just before it in forward. Storages are moved
 however many views or layers save them. On CUDA, copies run on their own streams and
 every hand-off between streams is guarded by an event; elsewhere the same code runs with
 synchronous copies into a separate host pool, so everything except overlap is testable
-on a CPU. Imports: ``host_pool``, ``sizes``, ``_storage``; plus torch.
+on a CPU. Imports: ``host_pool``, ``offload_moves``, ``sizes``, ``_storage``; plus torch.
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ from typing import Any
 import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import _disable_current_modes
 
-from actplan._engine.host_pool import HostBuffer, HostPool, StreamCopies, SyncCopies, event_done
+from actplan._engine.host_pool import HostPool, StreamCopies, SyncCopies
+from actplan._engine.offload_moves import Group, Handle, Moved, OffloadedTensorMutatedError
 from actplan._storage import owned_storages, storage_keys
 from actplan.sizes import DEFAULT_HOST_CAP_BYTES, DEFAULT_OFFLOAD_MIN_BYTES
 
@@ -50,145 +50,6 @@ def quiet_empty_offload() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=f".*offload of .* {_MOVED_NOTHING}", category=UserWarning)
         yield
-
-
-class OffloadedTensorMutatedError(RuntimeError):
-    """A saved tensor was changed in place after it was offloaded (autograd would also refuse it)."""
-
-
-# ---------------------------------------------------------------------------------------------
-# Moved storages, handles and groups
-# ---------------------------------------------------------------------------------------------
-
-
-class _Moved:
-    """One device storage copied to the host tier, and (after reload) back."""
-
-    __slots__ = (
-        "__weakref__",
-        "copies",
-        "copy_in",
-        "copy_out",
-        "device",
-        "engine",
-        "host",
-        "mutated",
-        "nbytes",
-        "reloaded",
-        "source",
-        "version",
-    )
-
-    def __init__(self, engine: OffloadEngine, source: torch.Tensor, nbytes: int) -> None:
-        self.engine = engine
-        self.nbytes = nbytes
-        self.copies = engine._copies_for(source.device)
-        self.host: HostBuffer | None = engine.pool.acquire(nbytes)
-        with _disable_current_modes():
-            flat = torch.empty(0, dtype=torch.uint8, device=source.device).set_(source.untyped_storage())
-            self.copy_out = self.copies.copy_out(flat, self.host.tensor[:nbytes])
-            # An asynchronous copy keeps the device memory alive until it completes (an
-            # event-guarded free, never a resize of the user's storage); the alias shares the
-            # tensor's version counter, so an in-place write racing the copy is caught.
-            self.source: torch.Tensor | None = source.detach() if self.copy_out is not None else None
-        self.version = source._version
-        self.mutated = False
-        self.device = source.device
-        self.copy_in: Any = None
-        self.reloaded: torch.Tensor | None = None
-
-    def start_reload(self) -> None:
-        if self.reloaded is not None or self.host is None:
-            return
-        stats = self.engine.stats
-        if not self.release_source_if_copied():
-            # The copy-out is still running, so the data never left the device: use it and skip
-            # the copy-in. The allocator must not reuse that memory before the copy-out stream
-            # is done reading it, whenever the last view of it dies.
-            self.reloaded = self.source
-            self.source = None
-            self.reloaded.record_stream(self.copies.out_stream)
-            stats.bytes_reload_skipped += self.nbytes
-        else:
-            # Allocated through the dispatcher on purpose: a memory meter counts reloaded bytes.
-            target = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
-            self.copy_in = self.copies.copy_in(self.host.tensor[: self.nbytes], target, self.copy_out)
-            self.reloaded = target
-            stats.bytes_reloaded += self.nbytes
-        # The host buffer goes back once the last copy touching it is done.
-        self.engine.pool.release(self.host, self.copy_in if self.copy_in is not None else self.copy_out)
-        self.host = None
-
-    def release_source_if_copied(self) -> bool:
-        if self.source is not None and event_done(self.copy_out):
-            self.mutated = self.source._version != self.version
-            self.source = None
-        return self.source is None
-
-    def __del__(self) -> None:
-        host = getattr(self, "host", None)
-        if host is not None:
-            self.engine.pool.release(host, self.copy_out)
-            self.host = None
-
-
-class _Handle:
-    """What autograd (or the selective cache) holds instead of an offloaded tensor."""
-
-    __slots__ = ("dtype", "group", "moved", "offset", "original", "size", "stride", "version")
-
-    def __init__(self, moved: _Moved, tensor: torch.Tensor, group: _Group) -> None:
-        self.moved = moved
-        self.group = group
-        self.dtype = tensor.dtype
-        self.size = tuple(tensor.shape)
-        self.stride = tuple(tensor.stride())
-        self.offset = tensor.storage_offset()
-        self.version = tensor._version
-        self.original = weakref.ref(tensor)
-
-    def materialize(self) -> torch.Tensor:
-        moved = self.moved
-        moved.release_source_if_copied()
-        original = self.original()
-        if moved.mutated or (original is not None and original._version != self.version):
-            raise OffloadedTensorMutatedError(
-                f"{self.group.name}: a tensor saved for backward (shape {list(self.size)}, {self.dtype}) "
-                "was modified by an in-place operation after actplan offloaded it; backward needs "
-                "its value at save time (autograd refuses this too). Make that update out-of-place, "
-                "or do not offload this layer."
-            )
-        self.group.engine.ensure_loaded(self.group)
-        moved.copies.use(moved.copy_in)
-        return torch.empty(0, dtype=self.dtype, device=moved.device).set_(
-            moved.reloaded.untyped_storage(), self.offset, self.size, self.stride
-        )
-
-
-class _Group:
-    """The offloaded storages of one layer call."""
-
-    __slots__ = (
-        "__weakref__",
-        "engine",
-        "index",
-        "loaded",
-        "moved",
-        "name",
-        "pass_id",
-        "position",
-        "tensors",
-    )
-
-    def __init__(self, engine: OffloadEngine, name: str, index: int, pass_id: int) -> None:
-        self.engine = engine
-        self.name = name
-        self.index = index
-        self.pass_id = pass_id
-        self.moved: dict[int, _Moved] = {}
-        self.tensors = 0
-        self.loaded = False
-        self.position = index
 
 
 @dataclass
@@ -254,13 +115,13 @@ class OffloadEngine:
         self.pool = HostPool(host_cap_bytes, pin=torch.cuda.is_available() if pin is None else pin)
         self.stats = OffloadStats()
         self._copies: dict[torch.device, Any] = {}
-        self._groups: list[weakref.ref[_Group]] = []
+        self._groups: list[weakref.ref[Group]] = []
         self._group_count = 0
         self._pass_id = 0
         self._pass_layers: set[int] = set()
         # Device storage -> (weak reference keeping its address unique, moved record).
-        self._moved: dict[int, tuple[StorageWeakRef, weakref.ref[_Moved], int]] = {}
-        self._pending: list[_Moved] = []
+        self._moved: dict[int, tuple[StorageWeakRef, weakref.ref[Moved], int]] = {}
+        self._pending: list[Moved] = []
         self._skip_storages: set[int] = set()
         self._always_skip: set[int] = set()
         self._model: weakref.ref[nn.Module] | None = None
@@ -286,7 +147,7 @@ class OffloadEngine:
 
     # -- forward --------------------------------------------------------------------------
 
-    def begin_group(self, name: str, layer_key: int, position: int | None = None) -> _Group:
+    def begin_group(self, name: str, layer_key: int, position: int | None = None) -> Group:
         """Open the group of one layer call; a layer seen again starts a new forward pass.
 
         ``position`` is the layer's index in the model (default: the order of calls); backward
@@ -297,7 +158,7 @@ class OffloadEngine:
         self._pass_layers.add(layer_key)
         self._release_copied_sources()
         self._group_count += 1
-        group = _Group(self, name, self._group_count, self._pass_id)
+        group = Group(self, name, self._group_count, self._pass_id)
         group.position = self._group_count if position is None else position
         self._groups.append(weakref.ref(group))
         return group
@@ -313,7 +174,7 @@ class OffloadEngine:
         if model is not None:
             self._skip_storages.update(owned_storages(model, parameters=False))
 
-    def offload(self, tensor: torch.Tensor, group: _Group) -> torch.Tensor | _Handle:
+    def offload(self, tensor: torch.Tensor, group: Group) -> torch.Tensor | Handle:
         """Move ``tensor``'s storage to the host tier (once per storage); return its handle,
         or ``tensor`` itself when it is not worth or not safe to move."""
         stats = self.stats
@@ -343,7 +204,7 @@ class OffloadEngine:
         if known is not None and not known[0].expired() and known[2] == tensor._version:
             moved = known[1]()
         if moved is None:
-            moved = _Moved(self, tensor, nbytes)
+            moved = Moved(self, tensor, nbytes)
             self._moved[key] = (StorageWeakRef(storage), weakref.ref(moved), tensor._version)
             stats.bytes_offloaded += nbytes
             stats.storages_moved += 1
@@ -356,9 +217,9 @@ class OffloadEngine:
         group.tensors += 1
         stats.tensors_offloaded += 1
         self._sync_pool_stats()
-        return _Handle(moved, tensor, group)
+        return Handle(moved, tensor, group)
 
-    def end_group(self, group: _Group, what: str) -> None:
+    def end_group(self, group: Group, what: str) -> None:
         """Close a group; warn once per layer when it moved nothing (``what`` names the choice)."""
         if group.tensors == 0 and group.name not in self._warned_empty:
             self._warned_empty.add(group.name)
@@ -375,7 +236,7 @@ class OffloadEngine:
 
     # -- backward -------------------------------------------------------------------------
 
-    def ensure_loaded(self, group: _Group) -> None:
+    def ensure_loaded(self, group: Group) -> None:
         """Reload ``group`` (if not yet) and prefetch the groups of the ``prefetch`` layers
         before it in its pass."""
         if group.loaded:
@@ -395,7 +256,7 @@ class OffloadEngine:
             ):
                 self._load(earlier)
 
-    def _load(self, group: _Group) -> None:
+    def _load(self, group: Group) -> None:
         group.loaded = True
         for moved in group.moved.values():
             moved.start_reload()
@@ -422,7 +283,7 @@ class OffloadEngine:
 
     # -- hooks ----------------------------------------------------------------------------
 
-    def saved_tensor_hooks(self, group: _Group, select: Callable[[torch.Tensor], bool]):
+    def saved_tensor_hooks(self, group: Group, select: Callable[[torch.Tensor], bool]):
         """Autograd hooks that offload the saved tensors ``select`` picks into ``group``."""
 
         def pack(tensor: torch.Tensor) -> Any:
@@ -432,7 +293,17 @@ class OffloadEngine:
 
         return torch.autograd.graph.saved_tensors_hooks(pack, _unpack)
 
-    def current_group(self, layer_name: str) -> _Group:
+    @contextlib.contextmanager
+    def running(self, group: Group) -> Iterator[None]:
+        """Make ``group`` the current one in this thread while a layer call runs (its offload
+        wrapper enters this), so a selective layer's policy finds it (``current_group``)."""
+        self._local.group = group
+        try:
+            yield
+        finally:
+            self._local.group = None
+
+    def current_group(self, layer_name: str) -> Group:
         """The group of the layer call running now (set by its offload wrapper)."""
         group = getattr(self._local, "group", None)
         if group is None:
@@ -444,4 +315,4 @@ class OffloadEngine:
 
 
 def _unpack(saved: Any) -> Any:
-    return saved.materialize() if isinstance(saved, _Handle) else saved
+    return saved.materialize() if isinstance(saved, Handle) else saved

@@ -71,8 +71,7 @@ def _offloaded_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         )
     engine = state.engine
     group = engine.begin_group(state.name, id(self), state.position)
-    engine._local.group = group
-    try:
+    with engine.running(group):
         if state.layer_input:
             inputs = storage_keys(t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
 
@@ -88,8 +87,6 @@ def _offloaded_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
                 routing_markers(units.on_marker),
             ):
                 out = inner(*args, **kwargs)
-    finally:
-        engine._local.group = None
     engine.end_group(group, state.what)
     return out
 

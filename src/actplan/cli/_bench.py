@@ -7,6 +7,7 @@ Imports ``actplan.evaluate`` and the CLI's console and table helpers.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -14,7 +15,7 @@ from rich.console import Console
 
 from actplan.cli._console import progress_display, write_output
 from actplan.cli._tables import bench_table, held_table
-from actplan.evaluate.bench import run_bench, write_json
+from actplan.evaluate.bench import run_bench
 from actplan.evaluate.report import to_markdown
 
 
@@ -75,8 +76,7 @@ def _run_and_report(args: argparse.Namespace, console: Console) -> int:
     if held:
         console.print(held_table(held, "held per kept unit at the end of forward, all layers"))
     if args.json:
-        write_json(result, args.json)
-        console.print(f"wrote {args.json}")
+        write_output(args.json, json.dumps(result.to_dict(), indent=2) + "\n", console)
     if args.markdown:
         write_output(args.markdown, to_markdown(result), console)
     return 0 if all(r.parity_ok for r in result.rows) else 1

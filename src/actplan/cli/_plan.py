@@ -36,7 +36,7 @@ def _profile_inputs(args: argparse.Namespace):
 
 
 def profile(args: argparse.Namespace, console: Console) -> int:
-    from actplan.planning.budget import get_profile
+    from actplan.planning.cache import get_profile
 
     bundle, device, options = _profile_inputs(args)
     with progress_display(console, args.quiet, "profiling") as progress:
@@ -103,8 +103,10 @@ def _print_plan_outputs(result, json_path: str | None, console: Console) -> None
 
 def _sweep(args: argparse.Namespace, console: Console) -> int:
     """``actplan plan --sweep``: the whole predicted front, nothing run."""
-    from actplan.planning.budget import get_profile, pareto_points, sweep, write_pareto_plot
+    from actplan.planning.budget import pareto_points, sweep
+    from actplan.planning.cache import get_profile
     from actplan.planning.planner import pareto_front, plan_summary
+    from actplan.planning.plot import write_pareto_plot
 
     if args.out or args.no_run:
         raise ValueError("--sweep writes no plan and runs nothing: drop --out and --no-run")

@@ -10,7 +10,6 @@ carries no acceptance thresholds (the project's goals are in ``bench/goals.py``)
 
 from __future__ import annotations
 
-import json
 import platform
 import sys
 import time
@@ -281,8 +280,3 @@ def machine_summary() -> str:
     threads = torch.get_num_threads()
     gpu = f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
     return f"{platform.machine()}, {threads} torch threads, python {platform.python_version()}{gpu}"
-
-
-def write_json(result: BenchResult, path: str | Path) -> None:
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(result.to_dict(), indent=2) + "\n")

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
-from actplan._storage import owned_storages
+from actplan._storage import owned_storages, storage_key
 from actplan.measure._tracker import CompiledCodeTracker, StorageTracker
 
 DEFAULT_TIMELINE_CAP = 4096
@@ -56,9 +56,7 @@ class MemoryReport:
 
 
 def _storage_key(tensor: torch.Tensor) -> int | None:
-    if tensor.is_meta or isinstance(tensor, FakeTensor):
-        return None
-    return tensor.untyped_storage()._cdata
+    return None if tensor.is_meta or isinstance(tensor, FakeTensor) else storage_key(tensor)
 
 
 def _unique_storage_bytes(tensors: Iterable[torch.Tensor]) -> dict[int, int]:

@@ -15,7 +15,7 @@ from torch import nn
 from actplan._engine.offload import quiet_empty_offload
 from actplan._install.apply import interval_map_of
 from actplan.config import PRESETS, preset_kept_units
-from actplan.planning._isolated import _IsolatedLayer
+from actplan.planning._isolated import IsolatedLayer
 from actplan.planning._records import CandidateProfile
 
 _Identity = tuple[str, tuple[str, ...]]
@@ -44,7 +44,7 @@ class _Candidates:
     """The candidates of one layer type as they are measured: every (mode, kept set) measured
     once (``measure``), and those that become candidates (``choose``), in order."""
 
-    def __init__(self, isolated: _IsolatedLayer) -> None:
+    def __init__(self, isolated: IsolatedLayer) -> None:
         self.isolated = isolated
         self.measured: dict[_Identity, CandidateProfile] = {}
         self.chosen: dict[_Identity, CandidateProfile] = {}
@@ -112,7 +112,7 @@ def _greedy_chain(
 
 
 def _offloaded_variants(
-    isolated: _IsolatedLayer,
+    isolated: IsolatedLayer,
     found: dict[_Identity, CandidateProfile],
     bandwidth: dict[str, float],
     overlap: bool,
@@ -145,7 +145,7 @@ def profile_layer_type(
     say: Callable[[str], None],
 ) -> list[CandidateProfile]:
     """The layer type's candidates; ``say`` is called ``layer_type_steps(layer)`` times."""
-    isolated = _IsolatedLayer(layer, args, kwargs, min_bytes)
+    isolated = IsolatedLayer(layer, args, kwargs, min_bytes)
     declared = [u.value for u in interval_map_of(layer).units]
     candidates = _Candidates(isolated)
     full = _presets(candidates, declared)

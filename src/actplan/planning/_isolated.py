@@ -1,5 +1,5 @@
-"""One layer run alone: its inputs captured from a real forward (``_capture_layer_inputs``),
-then, per candidate, metered and timed in isolation (``_IsolatedLayer``) until the timing
+"""One layer run alone: its inputs captured from a real forward (``capture_layer_inputs``),
+then, per candidate, metered and timed in isolation (``IsolatedLayer``) until the timing
 settles (``SETTLED_SHARE``).
 
 Private to the profiler. Imports torch, ``apply`` and the install helpers, the
@@ -39,7 +39,7 @@ def _type_key(module: nn.Module, args: tuple, kwargs: dict) -> str:
     return f"{type(module).__name__}:{hashlib.sha256(json.dumps([shapes, params]).encode()).hexdigest()[:12]}"
 
 
-def _capture_layer_inputs(model: nn.Module, batch: dict) -> list[tuple[str, tuple, dict]]:
+def capture_layer_inputs(model: nn.Module, batch: dict) -> list[tuple[str, tuple, dict]]:
     """Per layer, its type key and a copy of the inputs of one forward. Inputs that are the
     model's parameters or buffers (a RoPE table), or one tensor handed to several layers (the
     RoPE cos/sin or a mask the model computes once), stay themselves: they are not the
@@ -107,7 +107,7 @@ class _Activation:
         return self._leaf
 
 
-class _IsolatedLayer:
+class IsolatedLayer:
     """One layer type's representative, run alone on captured inputs under a candidate."""
 
     def __init__(self, layer: nn.Module, args: tuple, kwargs: dict, min_bytes: int) -> None:
@@ -193,7 +193,7 @@ class _IsolatedLayer:
         call; later metered figures are the same whether that forward had its backward or
         not) and, with ``backward``, a whole step. Kept for later measurements until
         ``forget``."""
-        identity = (candidate.mode, tuple(candidate.kept_units), candidate.offload)
+        identity = candidate.key
         if identity not in self._ready:
             layer = self.prepared(candidate)
             self.step(layer, backward=backward)
@@ -206,7 +206,7 @@ class _IsolatedLayer:
 
     def forget(self, candidates: Iterable[CandidateProfile]) -> None:
         for c in candidates:
-            self._ready.pop((c.mode, tuple(c.kept_units), c.offload), None)
+            self._ready.pop(c.key, None)
 
     def measure_memory(self, candidate: CandidateProfile) -> None:
         layer = self._warm(candidate, backward=False)  # lazily created state must not count
@@ -215,7 +215,7 @@ class _IsolatedLayer:
             engine.reset_stats()
         with MemoryMeter(layer) as meter:
             figures = self.step(layer, meter)
-        identity = (candidate.mode, tuple(candidate.kept_units), candidate.offload)
+        identity = candidate.key
         self._ready[identity] = (layer, True)  # the metered step was a whole step
         report = meter.report()
         candidate.retained_bytes = max(figures["retained"], 0)
@@ -299,7 +299,7 @@ def _spread(values: list[float]) -> float:
     return (quartiles[2] - quartiles[0]) / math.sqrt(len(values))
 
 
-def _tight(samples: list[float]) -> bool:
+def tight(samples: list[float]) -> bool:
     return _spread(samples) <= SETTLED_SHARE * statistics.median(samples)
 
 

@@ -30,6 +30,11 @@ class CandidateProfile:
     extra_seconds: float = 0.0
     offloaded_bytes: int = 0
 
+    @property
+    def key(self) -> tuple[str, tuple[str, ...], bool]:
+        """What makes two candidates the same way to run a layer (mode, kept units, offload)."""
+        return (self.mode, tuple(self.kept_units), self.offload)
+
     def config_choice(self) -> dict[str, Any]:
         return choice_of(self.mode, tuple(self.kept_units))
 

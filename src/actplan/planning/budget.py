@@ -7,7 +7,7 @@ measured peak memory and step time. ``pareto_points`` gives memory against step 
 presets and the planner's plans over a sweep of budgets (``plot.write_pareto_plot`` draws it).
 
 Imports torch, ``apply``, the config, the meters, the models' step and the planning
-modules; ``get_profile`` and ``write_pareto_plot`` are re-exported for callers of old.
+modules.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from actplan._install.apply import apply, plan_for
 from actplan.config import PRESETS, RecomputeConfig
 from actplan.measure import MemoryMeter, interleaved_timing, ratio
 from actplan.models import ModelBundle, train_step
+from actplan.planning._records import ModelProfile
 from actplan.planning.cache import get_profile
 from actplan.planning.choose import config_for, picked
 from actplan.planning.planner import (
@@ -36,7 +37,6 @@ from actplan.planning.planner import (
     solve,
 )
 from actplan.planning.plot import write_pareto_plot
-from actplan.planning.profile import ModelProfile
 from actplan.progress import ProgressCallback, ProgressTracker
 from actplan.sizes import DEFAULT_OFFLOAD_MIN_BYTES, human_bytes
 
@@ -337,15 +337,12 @@ def sweep(profile: ModelProfile, front: list[Solution] | None = None) -> list[di
 
 
 __all__ = [
-    "BudgetError",
     "BudgetPlanResult",
     "MeasuredRun",
     "ParetoPoint",
-    "get_profile",
     "measure_config",
     "pareto_points",
     "plan_under_budget",
     "sweep",
     "teaching_error",
-    "write_pareto_plot",
 ]

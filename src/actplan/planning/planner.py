@@ -43,11 +43,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from actplan.planning import _frontier, _milp
-from actplan.planning._frontier import FRONTIER_LIMIT
 from actplan.sizes import human_bytes, parse_bytes
 
 __all__ = [
-    "FRONTIER_LIMIT",
     "BudgetError",
     "Candidate",
     "PlanProblem",

@@ -47,21 +47,13 @@ from actplan._install.apply import apply, find_layers
 from actplan.measure import MemoryMeter, interleaved_timing
 from actplan.models import ModelBundle, loss_of, train_step
 from actplan.planning._candidates import layer_type_steps, profile_layer_type
-from actplan.planning._isolated import _capture_layer_inputs, _tight
-from actplan.planning._records import PROFILE_FORMAT, CandidateProfile, LayerTypeProfile, ModelProfile
+from actplan.planning._isolated import capture_layer_inputs, tight
+from actplan.planning._records import LayerTypeProfile, ModelProfile
 from actplan.planning.cache import cache_key
 from actplan.progress import ProgressCallback, ProgressTracker
 from actplan.sizes import DEFAULT_OFFLOAD_MIN_BYTES
 
-__all__ = [
-    "PROFILE_FORMAT",
-    "CandidateProfile",
-    "LayerTypeProfile",
-    "ModelProfile",
-    "copy_bandwidth",
-    "layer_type_steps",
-    "profile_model",
-]
+__all__ = ["ModelProfile", "copy_bandwidth", "profile_model"]
 
 
 def copy_bandwidth(device: torch.device, nbytes: int = 64 * 2**20, repeats: int = 3) -> dict[str, float]:
@@ -82,12 +74,6 @@ def copy_bandwidth(device: torch.device, nbytes: int = 64 * 2**20, repeats: int 
             best = min(best, time.perf_counter() - start)
         out[label] = nbytes / best
     return out
-
-
-def _model_step(
-    model: nn.Module, batch: dict, optimizer: torch.optim.Optimizer | None, seed: int = 0
-) -> None:
-    train_step(model, batch, optimizer, seed=seed)
 
 
 def _watch_backward(model: nn.Module, meter: MemoryMeter) -> None:
@@ -156,7 +142,7 @@ def _preset_run(
     apply(plain, preset)
     optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-4, foreach=False)
     if warmed_state is None:
-        _model_step(plain, batch, optimizer)  # warm-up: the optimizer state comes to exist
+        train_step(plain, batch, optimizer, seed=0)  # warm-up: the optimizer state comes to exist
         warmed_state = optimizer.state_dict()
     else:
         optimizer.load_state_dict(warmed_state)  # the same state, without another step
@@ -202,11 +188,11 @@ def _whole_model(
     none = runs["none"]
     # The model has run two steps already (warm-up and metered): no warm-up round here.
     timing = interleaved_timing(
-        {"none": lambda: _model_step(none.model, batch, none.optimizer)},
+        {"none": lambda: train_step(none.model, batch, none.optimizer, seed=0)},
         repeats=min(3, repeats),
         max_repeats=repeats,
         warmup=0,
-        settled=lambda samples: _tight(samples["none"]),
+        settled=lambda samples: tight(samples["none"]),
     )
     say("model timing")
     return _WholeModel(runs, timing["none"].median)
@@ -224,7 +210,7 @@ def _layer_types(
     """Each layer's type key, and each type's candidates, measured on its first layer's
     captured inputs; with the copy bandwidth and overlap that charged offload."""
     layers = find_layers(model)
-    captured = _capture_layer_inputs(model, batch)
+    captured = capture_layer_inputs(model, batch)
     first_of_type = {}
     for (_, layer), (type_key, _, _) in zip(layers, captured, strict=True):
         first_of_type.setdefault(type_key, layer)

@@ -1,0 +1,154 @@
+"""What offload moves and hands back: ``Moved`` (one storage on its way to the host tier and
+back), ``Handle`` (what autograd keeps for one offloaded tensor, a view of a moved storage)
+and ``Group`` (one wrapped layer call's moves, reloaded together). ``OffloadEngine`` in
+``offload`` makes and schedules them. Imports ``host_pool``; plus torch.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
+
+from actplan._engine.host_pool import HostBuffer, event_done
+
+if TYPE_CHECKING:
+    from actplan._engine.offload import OffloadEngine
+
+__all__ = ["Group", "Handle", "Moved", "OffloadedTensorMutatedError"]
+
+
+class OffloadedTensorMutatedError(RuntimeError):
+    """A saved tensor was changed in place after it was offloaded (autograd would also refuse it)."""
+
+
+class Moved:
+    """One device storage copied to the host tier, and (after reload) back."""
+
+    __slots__ = (
+        "__weakref__",
+        "copies",
+        "copy_in",
+        "copy_out",
+        "device",
+        "engine",
+        "host",
+        "mutated",
+        "nbytes",
+        "reloaded",
+        "source",
+        "version",
+    )
+
+    def __init__(self, engine: OffloadEngine, source: torch.Tensor, nbytes: int) -> None:
+        self.engine = engine
+        self.nbytes = nbytes
+        self.copies = engine._copies_for(source.device)
+        self.host: HostBuffer | None = engine.pool.acquire(nbytes)
+        with _disable_current_modes():
+            flat = torch.empty(0, dtype=torch.uint8, device=source.device).set_(source.untyped_storage())
+            self.copy_out = self.copies.copy_out(flat, self.host.tensor[:nbytes])
+            # An asynchronous copy keeps the device memory alive until it completes (an
+            # event-guarded free, never a resize of the user's storage); the alias shares the
+            # tensor's version counter, so an in-place write racing the copy is caught.
+            self.source: torch.Tensor | None = source.detach() if self.copy_out is not None else None
+        self.version = source._version
+        self.mutated = False
+        self.device = source.device
+        self.copy_in: Any = None
+        self.reloaded: torch.Tensor | None = None
+
+    def start_reload(self) -> None:
+        if self.reloaded is not None or self.host is None:
+            return
+        stats = self.engine.stats
+        if not self.release_source_if_copied():
+            # The copy-out is still running, so the data never left the device: use it and skip
+            # the copy-in. The allocator must not reuse that memory before the copy-out stream
+            # is done reading it, whenever the last view of it dies.
+            self.reloaded = self.source
+            self.source = None
+            self.reloaded.record_stream(self.copies.out_stream)
+            stats.bytes_reload_skipped += self.nbytes
+        else:
+            # Allocated through the dispatcher on purpose: a memory meter counts reloaded bytes.
+            target = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
+            self.copy_in = self.copies.copy_in(self.host.tensor[: self.nbytes], target, self.copy_out)
+            self.reloaded = target
+            stats.bytes_reloaded += self.nbytes
+        # The host buffer goes back once the last copy touching it is done.
+        self.engine.pool.release(self.host, self.copy_in if self.copy_in is not None else self.copy_out)
+        self.host = None
+
+    def release_source_if_copied(self) -> bool:
+        if self.source is not None and event_done(self.copy_out):
+            self.mutated = self.source._version != self.version
+            self.source = None
+        return self.source is None
+
+    def __del__(self) -> None:
+        host = getattr(self, "host", None)
+        if host is not None:
+            self.engine.pool.release(host, self.copy_out)
+            self.host = None
+
+
+class Handle:
+    """What autograd (or the selective cache) holds instead of an offloaded tensor."""
+
+    __slots__ = ("dtype", "group", "moved", "offset", "original", "size", "stride", "version")
+
+    def __init__(self, moved: Moved, tensor: torch.Tensor, group: Group) -> None:
+        self.moved = moved
+        self.group = group
+        self.dtype = tensor.dtype
+        self.size = tuple(tensor.shape)
+        self.stride = tuple(tensor.stride())
+        self.offset = tensor.storage_offset()
+        self.version = tensor._version
+        self.original = weakref.ref(tensor)
+
+    def materialize(self) -> torch.Tensor:
+        moved = self.moved
+        moved.release_source_if_copied()
+        original = self.original()
+        if moved.mutated or (original is not None and original._version != self.version):
+            raise OffloadedTensorMutatedError(
+                f"{self.group.name}: a tensor saved for backward (shape {list(self.size)}, {self.dtype}) "
+                "was modified by an in-place operation after actplan offloaded it; backward needs "
+                "its value at save time (autograd refuses this too). Make that update out-of-place, "
+                "or do not offload this layer."
+            )
+        self.group.engine.ensure_loaded(self.group)
+        moved.copies.use(moved.copy_in)
+        return torch.empty(0, dtype=self.dtype, device=moved.device).set_(
+            moved.reloaded.untyped_storage(), self.offset, self.size, self.stride
+        )
+
+
+class Group:
+    """The offloaded storages of one layer call."""
+
+    __slots__ = (
+        "__weakref__",
+        "engine",
+        "index",
+        "loaded",
+        "moved",
+        "name",
+        "pass_id",
+        "position",
+        "tensors",
+    )
+
+    def __init__(self, engine: OffloadEngine, name: str, index: int, pass_id: int) -> None:
+        self.engine = engine
+        self.name = name
+        self.index = index
+        self.pass_id = pass_id
+        self.moved: dict[int, Moved] = {}
+        self.tensors = 0
+        self.loaded = False
+        self.position = index

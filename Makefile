@@ -34,7 +34,7 @@ peers: $(STAMP)
 
 # Everything that needs CUDA, under 8 minutes on one H200; installs nothing (see README, "On a GPU").
 gpu:
-	$(if $(wildcard $(PY)),$(PY),$(PYTHON)) -m bench.gpu_suite
+	$(if $(wildcard $(PY)),$(PY),$(PYTHON)) -m bench.gpu.suite
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from bench import gpu_offload
+from bench.gpu import offload as gpu_offload
 
 
 @pytest.mark.slow

@@ -18,8 +18,8 @@ from actplan.evaluate.contenders import (
     time_contenders,
 )
 from actplan.models import build_model
-from bench import peers
-from bench.peer_methods import (
+from bench.peers import main as peers
+from bench.peers.methods import (
     _titan_policy,
     compile_budget_installer,
     compiled_actplan_installer,
@@ -78,7 +78,7 @@ def test_peer_rows_are_exact_and_remat_regions_match_the_presets():
 @pytest.mark.slow
 @pytest.mark.skipif(titan_import_error() is not None, reason="torchtitan's AC module does not import here")
 def test_torchtitan_selective_ac_row_is_exact_under_unwrapped_names():
-    from bench.peer_methods import titan_sac_installer
+    from bench.peers.methods import titan_sac_installer
 
     rows = _rows("moe", [("titan-sac", titan_sac_installer)])
     row = rows["titan-sac"]

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from bench import planner as bench_planner
+from bench.planner import main as bench_planner
 
 
 def test_mixed_stack_holds_every_layer_type_in_blocks():

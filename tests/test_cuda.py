@@ -1,6 +1,6 @@
 """What only a CUDA device can show: parity on the GPU in fp32 and bf16, the offload engine's
 streams, events and pinned pool under stress, the memory meter against the allocator, and
-Inductor-compiled layers. Skipped without a GPU; ``python -m bench.gpu_suite`` runs them.
+Inductor-compiled layers. Skipped without a GPU; ``python -m bench.gpu.suite`` runs them.
 """
 
 import copy
@@ -14,7 +14,7 @@ from actplan._install.apply import find_layers
 from actplan.evaluate.bench import OFFLOAD_VARIANTS, policy_config
 from actplan.measure import MemoryMeter, SavedTensorMeter, capture_step, compare_steps
 from actplan.units import MarkerInterval, RecomputeIntervalMap
-from bench.gpu_models import ModelSpec, batch_on
+from bench.gpu.models import ModelSpec, batch_on
 
 pytestmark = [
     pytest.mark.cuda,

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from bench import gpu_suite
+from bench.gpu import suite as gpu_suite
 
 
 def _suite(out):

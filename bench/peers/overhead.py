@@ -23,8 +23,8 @@ from actplan.evaluate.contenders import (
 )
 from actplan.measure import interleaved_timing
 from actplan.models import build_model, train_step
-from bench.peer_methods import op_sac_matmuls_installer, remat_installer
-from bench.peers_rows import titan_entry
+from bench.peers.methods import op_sac_matmuls_installer, remat_installer
+from bench.peers.rows import titan_entry
 
 OVERHEAD_ROWS: tuple[tuple[str, Callable[[], Installer]], ...] = (
     ("none", lambda: config_installer(RecomputeConfig.from_preset("none"))),

@@ -1,7 +1,7 @@
 """The peers actplan is compared with, installed on a copy of a reference model.
 
 Each ``*_installer(model) -> description`` wraps every decoder layer the way a user of
-that tool would, so ``bench.peers`` can run it next to actplan's rows on the same data:
+that tool would, so ``bench.peers.main`` can run it next to actplan's rows on the same data:
 
 - whole-layer ``torch.utils.checkpoint`` (what Hugging Face and most trainers do) comes
   from ``actplan.evaluate.contenders``;

@@ -30,9 +30,9 @@ layers, where Python and dispatch overhead dominate the step.
 
 Writes ``bench/results/peers_<model>_<size>.{json,md,png}``.
 
-The bench's parts: ``bench.peers_rows`` (which rows), ``bench.peers_run`` (one model's run),
-``bench.peers_compare`` (plans at the peers' peaks, equal-memory comparison, goals),
-``bench.peers_overhead`` (CPU-side cost per layer) and ``bench.peers_report`` (markdown, plot).
+The bench's parts: ``bench.peers.rows`` (which rows), ``bench.peers.run`` (one model's run),
+``bench.peers.compare`` (plans at the peers' peaks, equal-memory comparison, goals),
+``bench.peers.overhead`` (CPU-side cost per layer) and ``bench.peers.report`` (markdown, plot).
 """
 
 from __future__ import annotations
@@ -43,14 +43,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bench.peer_methods import COMPILE_BUDGETS
-from bench.peers_compare import SAME_MEMORY as SAME_MEMORY  # re-exported: the tests read them here
-from bench.peers_compare import compare as compare
-from bench.peers_compare import evaluate_goals as evaluate_goals
-from bench.peers_report import to_markdown, write_plot
-from bench.peers_rows import MEGATRON_CHOICES
-from bench.peers_rows import megatron_installer as megatron_installer
-from bench.peers_run import run_model
+from bench.peers.compare import SAME_MEMORY as SAME_MEMORY  # re-exported: the tests read them here
+from bench.peers.compare import compare as compare
+from bench.peers.compare import evaluate_goals as evaluate_goals
+from bench.peers.methods import COMPILE_BUDGETS
+from bench.peers.report import to_markdown, write_plot
+from bench.peers.rows import MEGATRON_CHOICES
+from bench.peers.rows import megatron_installer as megatron_installer
+from bench.peers.run import run_model
 
 RESULTS = Path("bench/results")
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from bench.gpu_context import StageContext
+from bench.gpu.context import StageContext
 
 
 class StageReport:

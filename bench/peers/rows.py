@@ -13,7 +13,7 @@ from actplan._install.plan import format_indices
 from actplan.config import RecomputeConfig
 from actplan.evaluate.bench import OFFLOAD_VARIANTS, TORCH_CHECKPOINT
 from actplan.evaluate.contenders import Contender, Installer, torch_checkpoint_installer
-from bench.peer_methods import (
+from bench.peers.methods import (
     remat_installer,
     titan_import_error,
     titan_op_sac_installer,

@@ -29,8 +29,8 @@ from actplan.measure import (
 )
 from actplan.models import ModelBundle, loss_of, train_step
 from actplan.sizes import mib
-from bench.gpu_context import StageContext, say
-from bench.gpu_report import StageReport
+from bench.gpu.context import StageContext, say
+from bench.gpu.report import StageReport
 
 NOISE_FACTOR = 4.0
 """A row's gradients may differ from ``none``'s by this many times the two-run noise floor."""

@@ -1,11 +1,11 @@
 """GPU check for offload: copy bandwidth, then peak memory and step time with and without offload.
 
-    python -m bench.gpu_offload                       # on a CUDA machine: the full check
-    python -m bench.gpu_offload --device cpu --size tiny --min-bytes 0   # smoke run anywhere
+    python -m bench.gpu.offload                       # on a CUDA machine: the full check
+    python -m bench.gpu.offload --device cpu --size tiny --min-bytes 0   # smoke run anywhere
 
 1. Copy bandwidth between pinned host memory and the device, both directions.
 2. For a dense and an MoE model at a size that fills a few GiB of activations (the ``gpu``
-   sizes of ``bench.gpu_models``: hidden size 4096, 4096 tokens, bf16), one
+   sizes of ``bench.gpu.models``: hidden size 4096, 4096 tokens, bf16), one
    interleaved run of ``none``, ``full``, ``full`` with the layer inputs offloaded,
    ``matmuls`` and ``matmuls`` with its kept units offloaded: peak device memory
    (``torch.cuda.max_memory_allocated``, or the dispatch-level meter off CUDA), median
@@ -15,7 +15,7 @@
    ``t[full+offload] - t[full]``; goal >= 0.9 at hidden size >= 4096) and how far the peak
    drops against the bytes offloaded (goal: equal within 5%).
 
-``python -m bench.gpu_suite`` runs this as one of its stages.
+``python -m bench.gpu.suite`` runs this as one of its stages.
 
 Prints a table and writes JSON (default ``bench/results/gpu_offload.json``).
 """
@@ -37,7 +37,7 @@ import torch
 import actplan
 from actplan.measure import MemoryMeter, interleaved_timing
 from actplan.planning.profile import copy_bandwidth
-from bench.gpu_models import SCALES, ModelSpec, batch_on
+from bench.gpu.models import SCALES, ModelSpec, batch_on
 
 
 def configs(min_bytes: str) -> dict[str, Any]:
@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     out: dict[str, Any] = {
-        "command": "python -m bench.gpu_offload " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": "python -m bench.gpu.offload " + " ".join(sys.argv[1:] if argv is None else argv),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else str(device),
         "torch_version": torch.__version__,
         "machine": f"{platform.system()} {platform.machine()}",

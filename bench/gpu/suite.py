@@ -1,9 +1,9 @@
 """One prepared GPU run: the CUDA tests, then every GPU measurement, each stage under its own time cap.
 
-    python -m bench.gpu_suite                        # on CUDA: everything, under 8 minutes on one H200
-    python -m bench.gpu_suite --out "$OUT"           # write the results somewhere else
-    python -m bench.gpu_suite --stages offload,plan  # some stages only (e.g. those a short run missed)
-    python -m bench.gpu_suite --scale tiny --device cpu   # the CPU rehearsal: CUDA-only parts skipped
+    python -m bench.gpu.suite                        # on CUDA: everything, under 8 minutes on one H200
+    python -m bench.gpu.suite --out "$OUT"           # write the results somewhere else
+    python -m bench.gpu.suite --stages offload,plan  # some stages only (e.g. those a short run missed)
+    python -m bench.gpu.suite --scale tiny --device cpu   # the CPU rehearsal: CUDA-only parts skipped
 
 It installs nothing. torch (a CUDA build) and actplan's dependencies must be importable;
 actplan itself is used installed (``pip install -e .``) or from ``./src``. Run it from the
@@ -18,15 +18,15 @@ as timed out, and the next one starts:
                  ``torch.cuda.max_memory_allocated``, Inductor-compiled layers.
 ``offload``      pinned copy bandwidth both ways; layer-input offload at hidden size 4096: share
                  of copy time hidden (goal >= 90%), peak cut against bytes offloaded (goal: equal
-                 within 5%). The rows of ``bench.gpu_offload`` on the dense model.
-``bench_dense``  ``actplan bench`` rows on the GPU-sized dense model (``bench.gpu_models``):
+                 within 5%). The rows of ``bench.gpu.offload`` on the dense model.
+``bench_dense``  ``actplan bench`` rows on the GPU-sized dense model (``bench.gpu.models``):
                  parity, activation bytes, peak (``max_memory_allocated``), step-time ratios.
 ``compiled``     ``none``, ``full`` and ``matmuls`` with every layer compiled by Inductor
                  (``fullgraph=True``), against eager ``none``.
 ``plan``         ``actplan plan`` at two budgets on the dense model: predicted against measured
                  peak and step time.
 ``bench_moe``    the bench rows on the GPU-sized MoE model.
-``peers``        ``bench.peers`` on the GPU: the peers, the presets and plans at each peer's peak.
+``peers``        ``bench.peers.main`` on the GPU: the peers, the presets and plans at each peer's peak.
 
 Every stage writes ``gpu_<stage>.json`` and ``.md`` (and its output in ``gpu_<stage>.log``)
 under ``--out`` as soon as it has a result, so a stage cut short still leaves what it
@@ -34,9 +34,9 @@ measured; the driver rewrites ``gpu_suite.json`` and ``gpu_suite.md`` (the one-s
 after each stage. Exit status: 0 when every stage that ran passed its checks, 1 otherwise.
 
 This module is the driver (options, stage processes, the summary). The rest of the suite:
-``bench.gpu_context`` (settings, stage context), ``bench.gpu_report`` (a stage's report),
-``bench.gpu_rows`` (rows against ``none``), ``bench.gpu_stages_measure`` and
-``bench.gpu_stages_plan`` (the stages).
+``bench.gpu.context`` (settings, stage context), ``bench.gpu.report`` (a stage's report),
+``bench.gpu.rows`` (rows against ``none``), ``bench.gpu.stages_measure`` and
+``bench.gpu.stages_plan`` (the stages).
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 if importlib.util.find_spec("actplan") is None and (REPO / "src" / "actplan").is_dir():
     sys.path.insert(0, str(REPO / "src"))  # not installed: use the checkout's
 
@@ -66,18 +66,18 @@ import torch  # noqa: E402
 
 from actplan.devices import resolve_device  # noqa: E402
 from actplan.evaluate.bench import TORCH_CHECKPOINT as TORCH_CHECKPOINT  # noqa: E402  (tests read it here)
-from bench.gpu_context import SETTINGS, STAGE_ORDER, StageContext, say  # noqa: E402
-from bench.gpu_report import StageReport, device_name, fmt_value, json_safe  # noqa: E402
-from bench.gpu_rows import error_text  # noqa: E402
-from bench.gpu_stages_measure import BENCH_ROWS as BENCH_ROWS  # noqa: E402  (tests read it here)
-from bench.gpu_stages_measure import (  # noqa: E402
+from bench.gpu.context import SETTINGS, STAGE_ORDER, StageContext, say  # noqa: E402
+from bench.gpu.report import StageReport, device_name, fmt_value, json_safe  # noqa: E402
+from bench.gpu.rows import error_text  # noqa: E402
+from bench.gpu.stages_measure import BENCH_ROWS as BENCH_ROWS  # noqa: E402  (tests read it here)
+from bench.gpu.stages_measure import (  # noqa: E402
     stage_bench_dense,
     stage_bench_moe,
     stage_compiled,
     stage_offload,
     stage_tests,
 )
-from bench.gpu_stages_plan import stage_peers, stage_plan  # noqa: E402
+from bench.gpu.stages_plan import stage_peers, stage_plan  # noqa: E402
 
 RESULTS = Path("bench/results")
 
@@ -168,7 +168,7 @@ def launch_stage(name: str, args: argparse.Namespace, cache_dir: Path, cap: floa
     log_path = out / f"gpu_{name}.log"
     json_path = out / f"gpu_{name}.json"
     json_path.unlink(missing_ok=True)
-    command = [sys.executable, "-m", "bench.gpu_suite", "--run-stage", name, "--out", str(out)]
+    command = [sys.executable, "-m", "bench.gpu.suite", "--run-stage", name, "--out", str(out)]
     command += ["--scale", args.scale, "--device", args.device, "--cache-dir", str(cache_dir)]
     started = time.perf_counter()
     with open(log_path, "w") as log:
@@ -290,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     suite: dict[str, Any] = {
-        "command": " ".join(["python -m bench.gpu_suite", *(sys.argv[1:] if argv is None else argv)]),
+        "command": " ".join(["python -m bench.gpu.suite", *(sys.argv[1:] if argv is None else argv)]),
         "scale": args.scale,
         "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "budget_s": budget,

@@ -1,6 +1,6 @@
 """The model sizes the GPU benchmarks use, and building a reference model on its device in its dtype.
 
-Shared by ``bench.gpu_suite`` and ``bench.gpu_offload``. ``gpu`` sizes fill an H200-class
+Shared by ``bench.gpu.suite`` and ``bench.gpu.offload``. ``gpu`` sizes fill an H200-class
 device with a Llama-7B-shaped layer stack (hidden size 4096, sequence 4096, bf16); ``tiny``
 sizes rehearse the same code on a CPU in seconds.
 """

@@ -28,7 +28,8 @@ from actplan.models import ModelBundle, build_model
 from actplan.planning.budget import pareto_points
 from actplan.planning.cache import get_profile
 from actplan.planning.profile import ModelProfile
-from bench.peer_methods import (
+from bench.peers.compare import SAME_MEMORY, PlannedRow, compare, evaluate_goals, plan_rows
+from bench.peers.methods import (
     COMPILE_BACKEND,
     COMPILE_BUDGETS,
     compile_budget_installer,
@@ -36,9 +37,8 @@ from bench.peer_methods import (
     remat_version,
     rockmate_unavailable,
 )
-from bench.peers_compare import SAME_MEMORY, PlannedRow, compare, evaluate_goals, plan_rows
-from bench.peers_overhead import cpu_overhead
-from bench.peers_rows import (
+from bench.peers.overhead import cpu_overhead
+from bench.peers.rows import (
     ACTPLAN_PRESETS,
     COMPILED_MODELS,
     COMPILED_PRESETS,

@@ -8,9 +8,9 @@ from typing import Any
 
 from actplan.planning.plot import pareto_axes
 from actplan.sizes import mib
-from bench.peer_methods import COMPILE_BACKEND
-from bench.peers_compare import AUTOMATIC_PEER_GAIN
-from bench.peers_rows import COMPILE_GRAD_FLOOR_FACTOR, COMPILE_GRAD_FLOOR_SLACK, COMPILE_LOSS_ATOL
+from bench.peers.compare import AUTOMATIC_PEER_GAIN
+from bench.peers.methods import COMPILE_BACKEND
+from bench.peers.rows import COMPILE_GRAD_FLOOR_FACTOR, COMPILE_GRAD_FLOOR_SLACK, COMPILE_LOSS_ATOL
 
 
 def _fmt_best(best: dict[str, Any] | None) -> str:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from bench.gpu_models import SCALES, ModelSpec
+from bench.gpu.models import SCALES, ModelSpec
 
 
 @dataclass(frozen=True)

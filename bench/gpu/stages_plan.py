@@ -1,5 +1,5 @@
 """The GPU suite's planner stages: ``actplan plan`` at two budgets, predicted against measured;
-and ``bench.peers`` on the device, with plans at each peer's metered peak."""
+and ``bench.peers.main`` on the device, with plans at each peer's metered peak."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from actplan.evaluate.bench import policy_config
 from actplan.evaluate.contenders import PolicyRow, config_installer
 from actplan.models import ModelBundle
 from actplan.sizes import mib
-from bench.gpu_context import StageContext, say
-from bench.gpu_models import batch_on
-from bench.gpu_report import StageReport, fmt_value
-from bench.gpu_rows import RowRunner, RowSpec, meter_check, release_cache, rows_markdown
+from bench.gpu.context import StageContext, say
+from bench.gpu.models import batch_on
+from bench.gpu.report import StageReport, fmt_value
+from bench.gpu.rows import RowRunner, RowSpec, meter_check, release_cache, rows_markdown
 
 PLAN_SHARES = (0.5, 0.15)
 """The two budgets of ``stage_plan``: these shares of the way from ``full``'s peak to ``none``'s."""
@@ -125,7 +125,7 @@ def _predicted_against_measured(report: StageReport, plan: dict[str, Any], row: 
 
 @dataclass
 class _MeasuredPeak:
-    """What ``bench.peers_compare.plan_rows`` reads of a peer: its name and metered peak."""
+    """What ``bench.peers.compare.plan_rows`` reads of a peer: its name and metered peak."""
 
     name: str
     peak_bytes: int
@@ -136,7 +136,7 @@ def _remat_missing() -> bool:
 
 
 def stage_peers(ctx: StageContext, report: StageReport) -> None:
-    """``bench.peers`` on the device: peers, presets, and plans at each peer's metered peak."""
+    """``bench.peers.main`` on the device: peers, presets, and plans at each peer's metered peak."""
     if _remat_missing():
         report.skip("torch_remat rows", "torch_remat is not importable here (`pip install torch_remat`)")
     report.data["models"] = {}
@@ -147,7 +147,7 @@ def stage_peers(ctx: StageContext, report: StageReport) -> None:
 
 def _peers_of_model(ctx: StageContext, report: StageReport, model: str) -> None:
     """One model's peers, presets and plans as rows, compared at equal peak and activation bytes."""
-    from bench import peers_compare
+    from bench.peers import compare as peers_compare
 
     spec = ctx.spec(model)
     bundle = spec.build(ctx.device)
@@ -177,7 +177,7 @@ def _peers_of_model(ctx: StageContext, report: StageReport, model: str) -> None:
 
 def _add_peers_and_presets(runner: RowRunner, report: StageReport, model: str) -> None:
     """The peers (torch_remat's only where it imports), then actplan's presets."""
-    from bench.peers_rows import ACTPLAN_PRESETS, peer_entries
+    from bench.peers.rows import ACTPLAN_PRESETS, peer_entries
 
     for name, install in peer_entries(model):
         if name.startswith("remat-") and _remat_missing():
@@ -192,7 +192,7 @@ def _add_peers_and_presets(runner: RowRunner, report: StageReport, model: str) -
 def _add_plans(runner: RowRunner, report: StageReport, profile: Any) -> list[str]:
     """Plans at each peer's metered peak as rows; returns the budgets no plan fits under."""
     from actplan.config import RecomputeConfig
-    from bench.peers_compare import plan_rows
+    from bench.peers.compare import plan_rows
 
     measured = [
         _MeasuredPeak(r["name"], r["peak_bytes"])

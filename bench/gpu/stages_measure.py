@@ -13,10 +13,10 @@ import torch
 from actplan.evaluate.bench import OFFLOAD_VARIANTS, TORCH_CHECKPOINT, policy_config
 from actplan.evaluate.contenders import config_installer, torch_checkpoint_installer
 from actplan.sizes import mib
-from bench.gpu_context import StageContext, say
-from bench.gpu_models import batch_on
-from bench.gpu_report import StageReport
-from bench.gpu_rows import RowRunner, RowSpec, bench_headline, compiled_installer, meter_check, rows_markdown
+from bench.gpu.context import StageContext, say
+from bench.gpu.models import batch_on
+from bench.gpu.report import StageReport
+from bench.gpu.rows import RowRunner, RowSpec, bench_headline, compiled_installer, meter_check, rows_markdown
 
 BENCH_ROWS = ("none", "full", "attn", "matmuls", "megatron-selective", *OFFLOAD_VARIANTS)
 
@@ -64,8 +64,8 @@ def _junit_cases(path: Path) -> list[dict[str, str]]:
 
 
 def stage_offload(ctx: StageContext, report: StageReport) -> None:
-    """Copy bandwidth, then the layer-input offload figures of ``bench.gpu_offload``."""
-    from bench import gpu_offload
+    """Copy bandwidth, then the layer-input offload figures of ``bench.gpu.offload``."""
+    from bench.gpu import offload as gpu_offload
 
     bandwidth = _copy_bandwidth(ctx, report)
     spec = ctx.spec("dense")

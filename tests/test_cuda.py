@@ -127,7 +127,11 @@ def test_tiny_host_cap_falls_back_to_pageable_memory_and_stays_exact():
 
 class _WritesAfterSave(torch.nn.Module):
     """Saves a large activation for backward, then writes to it in place at once, while the
-    offload copy-out of that storage is still queued on the side stream."""
+    offload copy-out of that storage is still queued on the side stream.
+
+    The compute stream is kept busy before the save, so the copy-out (which waits for that
+    stream) cannot have started when the write is queued; ``written_in_flight`` records that
+    the stream was still busy after the write, i.e. that the race really happened."""
 
     recompute_intervals = RecomputeIntervalMap({"mlp_act": MarkerInterval("act", "down")})
 
@@ -135,26 +139,33 @@ class _WritesAfterSave(torch.nn.Module):
         super().__init__()
         self.up = torch.nn.Linear(dim, dim, bias=False)
         self.down = torch.nn.Linear(dim, dim, bias=False)
+        self.written_in_flight = False
 
     def forward(self, x):
         from actplan.markers import checkpoint_record
 
+        with torch.no_grad():
+            busy = x
+            for _ in range(40):  # a few milliseconds of GEMMs queued ahead of the save
+                busy = busy @ self.up.weight
         h = self.up(x)
         checkpoint_record("act")
         a = torch.sigmoid(h)  # autograd saves its output
         checkpoint_record("down")
         y = self.down(a)
         a.mul_(2)  # the write races the copy-out
-        return y.square().mean()
+        self.written_in_flight = not torch.cuda.current_stream().query()
+        return y.square().mean()  # `a` dies here: only the engine can still see the write
 
 
 def test_a_write_racing_a_copy_out_is_caught_by_the_version_counter():
     block = _WritesAfterSave().to(CUDA)
-    x = torch.randn(4096, 4096, device=CUDA)
+    x = torch.randn(4096, 4096, device=CUDA) / 64
     actplan.apply(
         block, {"preset": "none", "offload": {"units": ["mlp_act"], "min_bytes": 0, "skip_last": 0}}
     )
     loss = block(x)
+    assert block.written_in_flight, "the GPU finished before the write was queued: no race to catch"
     with pytest.raises(OffloadedTensorMutatedError, match="in-place"):
         loss.backward()
 

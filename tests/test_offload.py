@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import threading
@@ -136,6 +137,161 @@ def test_prefetch_counts_layers_not_groups():
     assert not groups[0].loaded
     handles[0].materialize()
     assert groups[0].loaded
+
+
+def test_prefetch_loads_every_group_after_the_first_ahead_of_use():
+    # Backward walks the layers from last to first; with prefetch k, only the first group used
+    # may be loaded on demand. (Before the fix, a group a prefetch had loaded prefetched
+    # nothing further, so every other layer was loaded on demand.)
+    for prefetch in (1, 2, 3):
+        engine = OffloadEngine(min_bytes=0, prefetch=prefetch)
+        groups, handles = [], []
+        for layer in range(6):
+            group = engine.begin_group(f"layer {layer}", layer)
+            handles.append(engine.offload(torch.randn(16), group))
+            groups.append(group)
+        on_demand = []
+        for layer in reversed(range(6)):
+            if not groups[layer].loaded:
+                on_demand.append(layer)
+            handles[layer].materialize()
+            in_flight = [p for p, g in enumerate(groups) if g.loaded and p < layer]
+            assert in_flight == list(range(max(layer - prefetch, 0), layer)), (prefetch, layer)
+        assert on_demand == [5], prefetch
+
+
+class _ManualEvent:
+    """A copy that runs when the test says it completes, like a CUDA copy still in flight.
+    ``done_after`` lets it finish by itself on that many-th ``query()``."""
+
+    def __init__(self, run, done_after: int | None = None) -> None:
+        self.run, self.done, self.queries, self.done_after = run, False, 0, done_after
+
+    def query(self) -> bool:
+        self.queries += 1
+        if self.done_after is not None and self.queries >= self.done_after:
+            self.complete()
+        return self.done
+
+    def synchronize(self) -> None:
+        self.complete()
+
+    def complete(self) -> None:
+        if not self.done:
+            self.run()
+            self.done = True
+
+
+class _DeferredCopies:
+    """A copy back-end whose copy-outs read the device storage only when they complete, so a
+    write racing an unfinished copy-out happens on a CPU too."""
+
+    def __init__(self, done_after: int | None = None) -> None:
+        self.events: list[_ManualEvent] = []
+        self.done_after = done_after
+
+    def copy_out(self, source, host):
+        event = _ManualEvent(lambda: host.copy_(source), self.done_after)
+        self.events.append(event)
+        return event
+
+    def copy_in(self, host, target, after):
+        if after is not None:
+            after.synchronize()
+        target.copy_(host)
+
+    def keep_until_done(self, tensor, event):
+        pass
+
+    def use(self, event):
+        pass
+
+
+def _deferred_engine(done_after: int | None = None) -> tuple[OffloadEngine, _DeferredCopies]:
+    copies = _DeferredCopies(done_after)
+    return OffloadEngine(min_bytes=0, copies=lambda device: copies), copies
+
+
+def test_an_unfinished_copy_out_serves_the_device_copy_exactly():
+    engine, copies = _deferred_engine()
+    tensor = torch.randn(64)
+    expected = tensor.clone()
+    handle = engine.offload(tensor, engine.begin_group("layers.0", 0))
+    del tensor
+    assert not copies.events[0].done
+    assert torch.equal(handle.materialize(), expected)
+    assert engine.stats.bytes_reload_skipped == 64 * 4 and engine.stats.bytes_reloaded == 0
+
+
+def test_a_write_racing_an_unfinished_copy_out_is_an_error_after_the_tensor_died():
+    engine, _ = _deferred_engine()
+    tensor = torch.randn(64)
+    handle = engine.offload(tensor, engine.begin_group("layers.0 (Block)", 0))
+    tensor.mul_(2)  # the copy-out has not run yet
+    del tensor  # only the engine's alias is left to see the write
+    with pytest.raises(OffloadedTensorMutatedError, match=r"layers\.0 \(Block\).*in-place"):
+        handle.materialize()
+
+
+def test_a_write_found_when_the_copy_out_finishes_during_the_reload_is_an_error():
+    # The first query (at use) says "running", the second (when the reload starts) "done":
+    # the host copy then holds the written value, and the reload must not hand it out.
+    engine, copies = _deferred_engine(done_after=2)
+    tensor = torch.randn(64)
+    handle = engine.offload(tensor, engine.begin_group("layers.0", 0))
+    tensor.add_(1)
+    del tensor
+    with pytest.raises(OffloadedTensorMutatedError, match="in-place"):
+        handle.materialize()
+    assert copies.events[0].done
+
+
+def test_a_write_to_a_device_copy_served_in_place_of_a_reload_is_an_error():
+    engine, _ = _deferred_engine()
+    tensor = torch.randn(8, 8)
+    view = tensor.view(-1)  # shares the storage and the version counter
+    group = engine.begin_group("layers.0", 0)
+    first, second = engine.offload(tensor, group), engine.offload(tensor.t(), group)
+    del tensor
+    first.materialize()  # reload skipped: the device storage itself is served
+    view.mul_(2)
+    with pytest.raises(OffloadedTensorMutatedError, match="in-place"):
+        second.materialize()
+
+
+def test_stream_copies_keep_every_device_buffer_from_reuse_until_their_copy_is_done(monkeypatch):
+    # The CUDA back-end's wiring, on a CPU: every device tensor a side-stream copy reads or
+    # writes is recorded on that stream, so the caching allocator cannot hand its memory to
+    # someone else while the copy runs (e.g. a backward that aborts after a prefetch).
+    from actplan._engine import host_pool
+
+    class Stream:
+        def __init__(self, device=None):
+            self.device = device
+
+        def wait_stream(self, other):
+            pass
+
+        def wait_event(self, event):
+            pass
+
+    class Event:
+        def record(self, stream):
+            self.stream = stream
+
+    recorded = []
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream(device))
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: recorded.append((self, stream)))
+    copies = host_pool.StreamCopies(torch.device("cuda"))
+    source, host, target = torch.randn(16), torch.empty(16), torch.empty(16)
+    copies.copy_out(source, host)
+    copies.copy_in(host, target, None)
+    assert [(t is source, s) for t, s in recorded if t is source] == [(True, copies.out_stream)]
+    assert [(t is target, s) for t, s in recorded if t is target] == [(True, copies.in_stream)]
+    assert torch.equal(target, source)
 
 
 def test_a_tensor_changed_in_place_after_offload_is_an_error():

@@ -224,7 +224,13 @@ class HostPool:
 
 
 class StreamCopies:
-    """Device-to-host and host-to-device copies on their own CUDA streams."""
+    """Device-to-host and host-to-device copies on their own CUDA streams.
+
+    Every device buffer a copy touches is marked with ``record_stream`` for the copy's
+    stream, so the caching allocator does not hand its memory to anyone else before the copy
+    is done, even when the last tensor using it dies first (a backward that aborts after a
+    prefetch, a graph freed while its copy-out runs).
+    """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -238,6 +244,7 @@ class StreamCopies:
             host.copy_(source, non_blocking=True)
             event = torch.cuda.Event()
             event.record(self.out_stream)
+        source.record_stream(self.out_stream)
         return event
 
     def copy_in(self, host: torch.Tensor, target: torch.Tensor, after: Any) -> Any:
@@ -250,7 +257,12 @@ class StreamCopies:
             target.copy_(host, non_blocking=True)
             event = torch.cuda.Event()
             event.record(self.in_stream)
+        target.record_stream(self.in_stream)
         return event
+
+    def keep_until_done(self, tensor: torch.Tensor, event: Any) -> None:
+        """Keep ``tensor``'s memory from reuse until the copy-out stream's work is done."""
+        tensor.record_stream(self.out_stream)
 
     def use(self, event: Any) -> None:
         """Make the compute stream wait for ``event`` before it reads the reloaded tensor."""
@@ -268,6 +280,10 @@ class SyncCopies:
     @staticmethod
     def copy_in(host: torch.Tensor, target: torch.Tensor, after: Any) -> None:
         target.copy_(host)
+
+    @staticmethod
+    def keep_until_done(tensor: torch.Tensor, event: Any) -> None:
+        pass
 
     @staticmethod
     def use(event: Any) -> None:

@@ -88,6 +88,11 @@ class OffloadEngine:
         host_cap_bytes: cap of the host pool; past it, pageable fallback buffers.
         prefetch: how many layers ahead of use backward starts reloading (0: on first use).
         pin: page-lock host buffers; default: when CUDA is available.
+        copies: makes the copy back-end for a device (default: ``StreamCopies`` on CUDA,
+            ``SyncCopies`` elsewhere). A back-end has ``copy_out(source, host)`` and
+            ``copy_in(host, target, after)``, each returning an event (``query()``,
+            ``synchronize()``) or ``None`` when the copy is already done, plus
+            ``keep_until_done(tensor, event)`` and ``use(event)``; see ``host_pool``.
 
     One engine serves one model (``actplan.apply`` makes it); ``stats`` reports what it moved.
     Offload runs in eager mode only.
@@ -100,6 +105,7 @@ class OffloadEngine:
         host_cap_bytes: int = DEFAULT_HOST_CAP_BYTES,
         prefetch: int = 1,
         pin: bool | None = None,
+        copies: Callable[[torch.device], Any] | None = None,
     ) -> None:
         if min_bytes < 0:
             raise ValueError(f"min_bytes must be 0 or more, got {min_bytes}")
@@ -115,6 +121,7 @@ class OffloadEngine:
         self.pool = HostPool(host_cap_bytes, pin=torch.cuda.is_available() if pin is None else pin)
         self.stats = OffloadStats()
         self._copies: dict[torch.device, Any] = {}
+        self._make_copies = copies if copies is not None else _default_copies
         self._groups: list[weakref.ref[Group]] = []
         self._group_count = 0
         self._pass_id = 0
@@ -141,8 +148,7 @@ class OffloadEngine:
     def _copies_for(self, device: torch.device) -> Any:
         copies = self._copies.get(device)
         if copies is None:
-            copies = StreamCopies(device) if device.type == "cuda" else SyncCopies()
-            self._copies[device] = copies
+            copies = self._copies[device] = self._make_copies(device)
         return copies
 
     # -- forward --------------------------------------------------------------------------
@@ -237,12 +243,18 @@ class OffloadEngine:
     # -- backward -------------------------------------------------------------------------
 
     def ensure_loaded(self, group: Group) -> None:
-        """Reload ``group`` (if not yet) and prefetch the groups of the ``prefetch`` layers
-        before it in its pass."""
-        if group.loaded:
+        """Reload ``group`` (if not yet) and, on its first use, prefetch the groups of the
+        ``prefetch`` layers before it in its pass.
+
+        A group that a prefetch already loaded still prefetches on its first use, so every
+        group after the first ``prefetch`` is loaded ahead of need, never on demand.
+        """
+        if not group.loaded:
+            self._release_copied_sources()
+            self._load(group)
+        if group.prefetched:
             return
-        self._release_copied_sources()
-        self._load(group)
+        group.prefetched = True
         # Prefetch by layer distance, so what is in flight is bounded by `prefetch` layers'
         # worth of offloaded bytes (the planner's peak model counts exactly that).
         lowest = group.position - self.prefetch
@@ -312,6 +324,10 @@ class OffloadEngine:
                 "wrapper; install plans with actplan.apply, which wraps both"
             )
         return group
+
+
+def _default_copies(device: torch.device) -> Any:
+    return StreamCopies(device) if device.type == "cuda" else SyncCopies()
 
 
 def _unpack(saved: Any) -> Any:

@@ -37,6 +37,7 @@ class Moved:
         "host",
         "mutated",
         "nbytes",
+        "reload_skipped",
         "reloaded",
         "source",
         "version",
@@ -50,15 +51,17 @@ class Moved:
         with _disable_current_modes():
             flat = torch.empty(0, dtype=torch.uint8, device=source.device).set_(source.untyped_storage())
             self.copy_out = self.copies.copy_out(flat, self.host.tensor[:nbytes])
-            # An asynchronous copy keeps the device memory alive until it completes (an
-            # event-guarded free, never a resize of the user's storage); the alias shares the
-            # tensor's version counter, so an in-place write racing the copy is caught.
+            # While the copy-out may still be running, an alias of the tensor stays here: it
+            # shares the tensor's version counter, so an in-place write racing the copy is
+            # seen however the copy ends and whether or not the tensor itself is still alive.
+            # (The device memory itself is kept from reuse by the back-end, not by this alias.)
             self.source: torch.Tensor | None = source.detach() if self.copy_out is not None else None
         self.version = source._version
         self.mutated = False
         self.device = source.device
         self.copy_in: Any = None
         self.reloaded: torch.Tensor | None = None
+        self.reload_skipped = False
 
     def start_reload(self) -> None:
         if self.reloaded is not None or self.host is None:
@@ -66,11 +69,14 @@ class Moved:
         stats = self.engine.stats
         if not self.release_source_if_copied():
             # The copy-out is still running, so the data never left the device: use it and skip
-            # the copy-in. The allocator must not reuse that memory before the copy-out stream
-            # is done reading it, whenever the last view of it dies.
+            # the copy-in, unless it was written in place since the save (then the host copy
+            # may hold either value, and ``changed_since_save`` says so to the reader).
             self.reloaded = self.source
+            self.reload_skipped = True
             self.source = None
-            self.reloaded.record_stream(self.copies.out_stream)
+            # The allocator must not reuse that memory before the copy-out stream is done
+            # reading it, whenever the last view of it dies.
+            self.copies.keep_until_done(self.reloaded, self.copy_out)
             stats.bytes_reload_skipped += self.nbytes
         else:
             # Allocated through the dispatcher on purpose: a memory meter counts reloaded bytes.
@@ -83,10 +89,22 @@ class Moved:
         self.host = None
 
     def release_source_if_copied(self) -> bool:
+        """Drop the alias once the copy-out is done, noting a write made before that; true
+        when no alias is left."""
         if self.source is not None and event_done(self.copy_out):
-            self.mutated = self.source._version != self.version
+            self.mutated = self.mutated or self.source._version != self.version
             self.source = None
         return self.source is None
+
+    def changed_since_save(self) -> bool:
+        """Whether the storage was written in place while its value could still reach backward:
+        before the copy-out finished, or (reload skipped) at any time since the save."""
+        if self.mutated:
+            return True
+        alias = self.source if self.source is not None else self.reloaded if self.reload_skipped else None
+        if alias is not None and alias._version != self.version:
+            self.mutated = True
+        return self.mutated
 
     def __del__(self) -> None:
         host = getattr(self, "host", None)
@@ -112,16 +130,17 @@ class Handle:
 
     def materialize(self) -> torch.Tensor:
         moved = self.moved
-        moved.release_source_if_copied()
+        self.group.engine.ensure_loaded(self.group)
+        # Checked after the reload started: a write found only then (the copy-out finished in
+        # between, or the reload used the device copy) is as wrong as one found before.
         original = self.original()
-        if moved.mutated or (original is not None and original._version != self.version):
+        if moved.changed_since_save() or (original is not None and original._version != self.version):
             raise OffloadedTensorMutatedError(
                 f"{self.group.name}: a tensor saved for backward (shape {list(self.size)}, {self.dtype}) "
                 "was modified by an in-place operation after actplan offloaded it; backward needs "
                 "its value at save time (autograd refuses this too). Make that update out-of-place, "
                 "or do not offload this layer."
             )
-        self.group.engine.ensure_loaded(self.group)
         moved.copies.use(moved.copy_in)
         return torch.empty(0, dtype=self.dtype, device=moved.device).set_(
             moved.reloaded.untyped_storage(), self.offset, self.size, self.stride
@@ -140,6 +159,7 @@ class Group:
         "name",
         "pass_id",
         "position",
+        "prefetched",
         "tensors",
     )
 
@@ -151,4 +171,5 @@ class Group:
         self.moved: dict[int, Moved] = {}
         self.tensors = 0
         self.loaded = False
+        self.prefetched = False  # the reloads of the layers before it have been started
         self.position = index

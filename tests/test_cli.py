@@ -1,6 +1,7 @@
 """The command line: bench on the tiny model, explain, and error exits."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -188,6 +189,31 @@ def test_unwritable_output_paths_fail_before_any_work(tmp_path, capsys, monkeypa
     assert "is a file, not a folder" in " ".join(capsys.readouterr().out.split())
     assert main(["plan", "--size", "tiny", "--budget", "1GB", "--out", under_a_file]) == 2
     assert "cannot write --out" in " ".join(capsys.readouterr().out.split())
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs a /proc file system")
+def test_every_output_flag_is_probed_by_writing_before_any_work(capsys, monkeypatch):
+    # /proc refuses new files even to root, for whom permission bits say nothing.
+    import actplan.cli._bench as cli_bench
+    import actplan.cli._inspect as cli_inspect
+    import actplan.cli._plan as cli_plan
+
+    for module, name in ((cli_bench, "run_bench"), (cli_plan, "profile_model"), (cli_inspect, "verify_plan")):
+        if hasattr(module, name):
+            monkeypatch.setattr(module, name, lambda *a, **k: pytest.fail("ran before checking paths"))
+    commands = [
+        (["bench", "--size", "tiny"], "--json"),
+        (["bench", "--size", "tiny"], "--markdown"),
+        (["profile", "--size", "tiny"], "--json"),
+        (["plan", "--size", "tiny", "--budget", "1GB"], "--json"),
+        (["plan", "--size", "tiny", "--budget", "1GB"], "--out"),
+        (["plan", "--size", "tiny", "--budget", "1GB"], "--plot"),
+        (["verify", "--config", "full"], "--json"),
+    ]
+    for command, option in commands:
+        assert main([*command, option, "/proc/actplan-out"]) == 2, (command, option)
+        out = " ".join(capsys.readouterr().out.split())
+        assert f"cannot write {option} '/proc/actplan-out'" in out, out
 
 
 def _help(argv, capsys) -> str:

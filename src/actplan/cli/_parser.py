@@ -8,7 +8,7 @@ bench's row names and the model catalogue.
 from __future__ import annotations
 
 import argparse
-import os
+import tempfile
 from pathlib import Path
 
 from actplan.cli._bench import bench
@@ -184,18 +184,30 @@ _OUTPUT_OPTIONS = (("json", "--json"), ("markdown", "--markdown"), ("out", "--ou
 
 
 def _unwritable(path: Path) -> str | None:
-    """Why ``path`` cannot be written (its missing folders are made on writing); None if it can."""
+    """Why ``path`` cannot be written (its missing folders are made on writing); None if it can.
+
+    Probes by writing: permission bits say nothing for root, nor about file systems such as
+    ``/proc`` that refuse new files. An existing file is opened for appending (its contents
+    stay); otherwise a scratch file is made and removed in the deepest folder that exists."""
     if path.is_dir():
         return "it is a directory; give a file path"
     if path.exists():
-        return None if os.access(path, os.W_OK) else "the file is not writable"
+        try:
+            with open(path, "a"):
+                pass
+        except OSError as err:
+            return f"the file is not writable ({err.strerror or err})"
+        return None
     folder = path.parent
     while not folder.exists() and folder != folder.parent:
         folder = folder.parent
     if not folder.is_dir():
         return f"{str(folder)!r} is a file, not a folder"
-    if not os.access(folder, os.W_OK | os.X_OK):
-        return f"no permission to write in {str(folder)!r}"
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as err:
+        return f"cannot create files in {str(folder)!r} ({err.strerror or err})"
     return None
 
 

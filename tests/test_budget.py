@@ -141,6 +141,15 @@ def test_cli_plan_rejects_a_malformed_budget_before_any_work(tmp_path, capsys):
     assert not list(tmp_path.iterdir())
 
 
+def test_cli_plan_refuses_a_budget_without_a_unit_before_any_work(tmp_path, capsys):
+    # '20' once became a budget of 20 bytes: "no plan fits a budget of 0.0 MiB".
+    args = ["plan", "--model", "model_factories:dense_long", "--budget", "20", "--min-bytes", "0"]
+    assert main([*args, "--cache-dir", str(tmp_path), "--no-run", "--plot", "", "--quiet"]) == 2
+    out = " ".join(capsys.readouterr().out.split())
+    assert "budget '20' has no unit" in out and "'20GiB'" in out and "'20%'" in out
+    assert not list(tmp_path.iterdir())
+
+
 def test_cli_plan_sweep_prints_the_front_without_running(dense, cache, tmp_path, capsys):
     report = tmp_path / "front.json"
     args = ["plan", "--model", "model_factories:dense_long", "--sweep", "--min-bytes", "0"]

@@ -138,7 +138,7 @@ def _add_plan(sub) -> None:
     target = parser.add_mutually_exclusive_group(required=True)
     target.add_argument(
         "--budget",
-        help="bytes ('40GiB', '1.5GB') or a share of the no-checkpoint peak ('60%%')",
+        help="bytes with a unit ('40GiB', '1.5GB') or a share of the no-checkpoint peak ('60%%')",
     )
     target.add_argument(
         "--sweep",

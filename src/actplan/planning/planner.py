@@ -315,11 +315,22 @@ def brute_force(problem: PlanProblem, budget_bytes: float) -> tuple[float, tuple
 
 
 _PERCENT = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*%\s*$")
+_NUMBER = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*$")
 
 
 def parse_budget(text: str | int | float, none_peak_bytes: float | None = None) -> float:
-    """``'40GiB'``, ``'1.5GB'``, ``123456`` (bytes) or ``'55%'`` of the no-checkpoint peak."""
+    """``'40GiB'``, ``'1.5GB'``, ``123456`` (an int or float: bytes) or ``'55%'`` of the
+    no-checkpoint peak.
+
+    Text must carry a unit: ``'20'`` is refused rather than read as 20 bytes, since a
+    budget written without one almost always meant GiB."""
     if isinstance(text, str):
+        if _NUMBER.match(text):
+            raise BudgetError(
+                f"budget {text!r} has no unit; write e.g. '{text.strip()}GiB' or '{text.strip()}GB' "
+                "(units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB) or a share of the no-checkpoint "
+                f"peak such as '{text.strip()}%'"
+            )
         match = _PERCENT.match(text)
         if match:
             percent = float(match.group(1))

@@ -445,6 +445,23 @@ def test_yaml_unknown_field_names_its_line():
     assert "budget_gib (line 3): unknown field 'budget_gib'" in str(info.value)
 
 
+def test_yaml_unknown_field_whose_value_starts_below_it_names_the_key_line():
+    # The value of a misspelt `overrides` is a list starting on the next line; the key is on 2.
+    text = "preset: full\noverides:\n  - layers: 0\n    mode: none\n"
+    with pytest.raises(ConfigError) as info:
+        RecomputeConfig.from_yaml(text, source="c.yaml")
+    assert "overides (line 2): unknown field 'overides'; did you mean 'overrides'?" in str(info.value)
+
+
+def test_a_misspelt_key_in_an_override_is_named_with_the_nearest_valid_one():
+    text = "preset: full\noverrides:\n  - layers: 0\n    mdoe: none\n"
+    with pytest.raises(ConfigError) as info:
+        RecomputeConfig.from_yaml(text, source="c.yaml")
+    message = str(info.value)
+    assert "overrides[0].mdoe (line 4): unknown field 'mdoe'; did you mean 'mode'?" in message
+    assert "sets none of" not in message
+
+
 def test_malformed_yaml_file_names_file_line_and_column(tmp_path: Path):
     path = tmp_path / "broken.yaml"
     path.write_text("mode: selective\nkeep: [attn_core, qkv_proj\nlayers: all\n")

@@ -7,6 +7,7 @@ pydantic, PyYAML and the standard library.
 
 from __future__ import annotations
 
+import difflib
 import json
 import re
 from collections.abc import Callable, Iterable, Mapping
@@ -146,17 +147,19 @@ def yaml_line(text: str, loc: tuple[int | str, ...]) -> int | None:
         return None
     if node is None:
         return None
+    # A field's line is its key's (a value may start on the next line); an item's is its own.
+    at = node
     for part in loc:
-        child = None
+        child = key_node = None
         if isinstance(node, yaml.MappingNode):
             # The last duplicate key wins when loading, so point at that one.
-            child = next((value for key, value in reversed(node.value) if key.value == part), None)
+            key_node, child = next(((k, v) for k, v in reversed(node.value) if k.value == part), (None, None))
         elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(node.value):
             child = node.value[part]
         if child is None:
             break
-        node = child
-    return node.start_mark.line + 1
+        node, at = child, key_node if key_node is not None else child
+    return at.start_mark.line + 1
 
 
 # ---------------------------------------------------------------------------------------
@@ -169,8 +172,10 @@ def _describe_error(error: Mapping[str, Any], fields_at: FieldsAt) -> str:
     if kind == "value_error":
         return str(error["ctx"]["error"])
     if kind == "extra_forbidden":
-        valid = ", ".join(fields_at(loc))
-        return f"unknown field {loc[-1]!r}; valid fields here: {valid}"
+        valid = list(fields_at(loc))
+        near = difflib.get_close_matches(str(loc[-1]), valid, n=1)
+        hint = f"did you mean {near[0]!r}? " if near else ""
+        return f"unknown field {loc[-1]!r}; {hint}valid fields here: {', '.join(valid)}"
     if kind == "missing":
         return f"required field {loc[-1]!r} is missing; add it"
     message = error["msg"]

@@ -146,7 +146,9 @@ class LayerOverride(RecomputeChoice):
     @model_validator(mode="before")
     @classmethod
     def _require_a_choice(cls, data: Any) -> Any:
-        if isinstance(data, Mapping) and not any(data.get(name) is not None for name in CHOICE_FIELDS):
+        if not isinstance(data, Mapping) or any(key not in cls.model_fields for key in data):
+            return data  # an unknown key (a misspelt `mode`, say) is reported by name instead
+        if not any(data.get(name) is not None for name in CHOICE_FIELDS):
             raise ConfigError(
                 "this override sets none of mode, preset, keep, recompute, so it would do nothing; "
                 "add one of them or remove the override"

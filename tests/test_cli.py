@@ -230,8 +230,9 @@ def test_help_shows_defaults_and_no_rest_markup(capsys):
     assert "(default: None)" not in bench and "(default: False)" not in bench
     explain = _help(["explain"], capsys)
     assert "--size SIZE size of a built-in model" in explain and "(default: small)" in explain
-    units = _help(["units"], capsys)
-    assert "--size" in units and "(default: tiny)" in units
+    # One --size default for every command that builds a model.
+    for command in (["units"], ["verify"], ["profile"], ["plan"]):
+        assert "--size SIZE" in (text := _help(command, capsys)) and "(default: small)" in text, command
 
 
 def test_units_takes_a_size(capsys):

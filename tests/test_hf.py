@@ -396,7 +396,8 @@ def test_verify_passes_on_a_tiny_llama():
 def test_cli_verify_passes_on_the_reference_llama(capsys):
     from actplan.cli import main
 
-    assert main(["verify", "--model", "hf-llama", "--config", "matmuls", "--steps", "2", "--quiet"]) == 0
+    args = ["verify", "--model", "hf-llama", "--size", "tiny", "--config", "matmuls", "--steps", "2"]
+    assert main([*args, "--quiet"]) == 0
     assert "PASS" in capsys.readouterr().out
 
 

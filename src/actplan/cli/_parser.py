@@ -26,6 +26,8 @@ MODEL_HELP = (
     f"built-in ({', '.join(MODELS)}), hf-<kind> (a random-weight transformers model; kinds: "
     f"{', '.join(hf_models.REFERENCE_KINDS)}), or package.module:factory"
 )
+DEFAULT_SIZE = "small"
+"""The one ``--size`` default of every command."""
 SIZE_HELP = "size of a built-in model (tiny, small)"
 
 
@@ -57,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_bench(sub) -> None:
     parser = sub.add_parser("bench", help="measure every policy side by side on a reference model")
     parser.add_argument("--model", default="dense", help=MODEL_HELP)
-    parser.add_argument("--size", default="small", help="model size preset (tiny, small)")
+    parser.add_argument("--size", default=DEFAULT_SIZE, help=SIZE_HELP)
     parser.add_argument(
         "--policies",
         default=",".join(DEFAULT_POLICIES),
@@ -98,7 +100,7 @@ def _add_bench(sub) -> None:
 def _add_explain(sub) -> None:
     parser = sub.add_parser("explain", help="print the per-layer plan a config resolves to")
     parser.add_argument("--model", default="dense", help=MODEL_HELP)
-    parser.add_argument("--size", default="small", help=SIZE_HELP)
+    parser.add_argument("--size", default=DEFAULT_SIZE, help=SIZE_HELP)
     parser.add_argument("--config", required=True, help="preset name or YAML/JSON file")
     parser.add_argument(
         "--measure",
@@ -111,7 +113,7 @@ def _add_explain(sub) -> None:
 
 def _add_profile_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="dense", help=MODEL_HELP)
-    parser.add_argument("--size", default="small", help=SIZE_HELP)
+    parser.add_argument("--size", default=DEFAULT_SIZE, help=SIZE_HELP)
     parser.add_argument("--device", default="auto", help=DEVICE_HELP)
     parser.add_argument("--repeats", type=int, default=5, help="timed rounds per measurement")
     parser.add_argument("--min-bytes", default="64KiB", help="offload size threshold of offload candidates")
@@ -154,7 +156,7 @@ def _add_plan(sub) -> None:
 def _add_verify(sub) -> None:
     parser = sub.add_parser("verify", help="run a plan next to no checkpointing and compare every step")
     parser.add_argument("--model", default="dense", help=MODEL_HELP)
-    parser.add_argument("--size", default="tiny", help=SIZE_HELP)
+    parser.add_argument("--size", default=DEFAULT_SIZE, help=SIZE_HELP)
     parser.add_argument("--config", required=True, help="preset name or YAML/JSON file")
     parser.add_argument("--steps", type=int, default=3, help="optimizer steps to compare")
     parser.add_argument("--device", default="auto", help=DEVICE_HELP)
@@ -175,7 +177,7 @@ def _add_units(sub) -> None:
     parser = sub.add_parser("units", help="list the recompute units (all, or those a model declares)")
     parser.add_argument("--model", help="only the units this model declares (any --model form)")
     parser.add_argument(
-        "--size", default="tiny", help="size of a built-in model given with --model (tiny, small)"
+        "--size", default=DEFAULT_SIZE, help="size of a built-in model given with --model (tiny, small)"
     )
     parser.set_defaults(run=units)
 

@@ -61,7 +61,7 @@ def test_plan_at_a_mid_budget_runs_under_it_as_predicted(which, dense, moe, cach
     result = plan_under_budget(
         bundle,
         f"model_factories:{which}_long",
-        str(budget),
+        budget,
         CPU,
         out=tmp_path / "plan.yaml",
         plot=tmp_path / "pareto.png",
@@ -111,6 +111,10 @@ def test_cli_plan_writes_the_plan_and_the_plot(dense, cache, tmp_path, capsys):
     assert main([*args, "--json", str(report), "--quiet"]) == 0
     printed = capsys.readouterr().out
     assert "predicted" in printed and "measured" in printed and "prediction error" in printed
+    # The hints name the model the plan was made for (once, they ran it on the default model).
+    lines = [line.strip() for line in printed.splitlines()]
+    assert f"actplan bench --model model_factories:dense_long --config {out}" in lines
+    assert f"actplan verify --model model_factories:dense_long --config {out}" in lines
     assert RecomputeConfig.from_file(out)
     result = json.loads(report.read_text())
     assert result["measured"]["peak_bytes"] <= result["budget_bytes"]

@@ -71,7 +71,7 @@ def _plans_at_two_budgets(
     for share in PLAN_SHARES:
         budget = int(profile.full_peak_bytes + share * (profile.none_peak_bytes - profile.full_peak_bytes))
         result = plan_under_budget(
-            bundle, ctx.profile_name("dense"), str(budget), ctx.device,
+            bundle, ctx.profile_name("dense"), budget, ctx.device,
             out=ctx.out / f"gpu_plan_{len(plans)}.yaml", run=False,
             cache_dir=ctx.cache_dir, repeats=ctx.settings.profile_repeats,
         )  # fmt: skip

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 from pathlib import Path
 
 from rich.console import Console
@@ -77,24 +78,36 @@ def plan(args: argparse.Namespace, console: Console) -> int:
     for note in result.notes:
         console.print(f"[yellow]note:[/] {note}")
     console.print(plan_table(result))
-    _print_plan_outputs(result, args.json, console)
+    _print_plan_outputs(result, args.json, console, model_options(args))
     if result.measured is not None and not result.measured["loss_identical"]:
         console.print("[red]the plan's loss differs from no checkpointing[/]")
         return 1
     return 0
 
 
-def _print_plan_outputs(result, json_path: str | None, console: Console) -> None:
-    """The plan's layers by candidate, and the files it wrote (config, plot, ``--json``)."""
+def model_options(args: argparse.Namespace) -> str:
+    """The options that name this run's model, for a hint that must work as written."""
+    options = f"--model {shlex.quote(args.model)}"
+    if ":" not in args.model:  # a factory builds one size
+        options += f" --size {args.size}"
+    if getattr(args, "device", "auto") != "auto":
+        options += f" --device {args.device}"
+    return options
+
+
+def _print_plan_outputs(result, json_path: str | None, console: Console, model: str) -> None:
+    """The plan's layers by candidate, and the files it wrote (config, plot, ``--json``), with
+    the commands that run and verify the plan on the model it was made for."""
     by_candidate: dict[str, list[int]] = {}
     for layer in result.layers:
         by_candidate.setdefault(layer["candidate"], []).append(layer["index"])
     for name, indices in by_candidate.items():
         console.print(f"  layers {format_indices(indices)}: {name}")
     if result.config_path:
-        console.print(
-            f"wrote {result.config_path} (run it with `actplan bench --config {result.config_path}`)"
-        )
+        path = shlex.quote(str(result.config_path))
+        console.print(f"wrote {result.config_path}; run it with", soft_wrap=True)
+        console.print(f"  actplan bench {model} --config {path}", soft_wrap=True, markup=False)
+        console.print(f"  actplan verify {model} --config {path}", soft_wrap=True, markup=False)
     if result.plot_path:
         console.print(f"wrote {result.plot_path}")
     if json_path:

@@ -173,7 +173,7 @@ class BudgetPlanResult:
 def plan_under_budget(
     bundle: ModelBundle,
     spec: str,
-    budget: str,
+    budget: str | int | float,
     device: torch.device,
     *,
     out: str | Path | None = "plan.yaml",

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -31,6 +32,13 @@ def _python_storage_refs() -> int:
 
 
 PYTHON_REFS = _python_storage_refs()
+
+
+def is_dense_tensor(tensor: object) -> bool:
+    """A plain tensor whose storage the engine can key on: ``torch.Tensor`` itself, or a fake
+    one (``FakeTensorMode``), whose meta storage stands for the real one byte for byte. Other
+    subclasses (DTensor, ...) are handled as opaque."""
+    return type(tensor) is torch.Tensor or type(tensor) is FakeTensor
 
 
 def detach_alias(tensor: torch.Tensor) -> torch.Tensor:
@@ -102,7 +110,7 @@ PLACEHOLDERS = _Placeholders()
 def is_placeholder(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` lives in a placeholder the replay made for a dropped output (its
     values are meaningless, and nothing that reads them runs before the replay stops)."""
-    if type(tensor) is not torch.Tensor:
+    if not is_dense_tensor(tensor):
         return False
     ref = PLACEHOLDERS.storages.get(tensor.untyped_storage()._cdata)
     return ref is not None and not ref.expired()

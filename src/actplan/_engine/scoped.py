@@ -57,6 +57,7 @@ from actplan._engine.held import (
     SegmentMode,
     checkpoint_frame,
     detach_alias,
+    is_dense_tensor,
     is_parameter,
     make_placeholder,
     tensor_args,
@@ -144,7 +145,7 @@ class ScopedRegion(MarkerState):
                     saved_in = self.saved_in.setdefault(self.current_kept, {})
 
                 def pack(tensor: torch.Tensor) -> Any:
-                    if type(tensor) is torch.Tensor:
+                    if is_dense_tensor(tensor):
                         storage = tensor.untyped_storage()
                         packed.add(storage._cdata)
                         if saved_in is not None and not is_parameter(tensor):
@@ -269,7 +270,7 @@ class ScopedRegion(MarkerState):
         if not refs:
             return False
         for leaf in tensor_args(args, kwargs):
-            if type(leaf) is torch.Tensor:
+            if is_dense_tensor(leaf):
                 if leaf.untyped_storage()._cdata in refs:
                     return True
             elif not isinstance(leaf, nn.Parameter):
@@ -284,7 +285,7 @@ class ScopedRegion(MarkerState):
                 written.add(id(target))
         refs = self.refs
         for leaf in tensor_args(args, kwargs):
-            if type(leaf) is not torch.Tensor or leaf.device.type == "meta":
+            if not is_dense_tensor(leaf) or leaf.device.type == "meta":
                 continue
             storage = leaf.untyped_storage()._cdata
             if storage not in refs:
@@ -329,7 +330,7 @@ class ScopedRegion(MarkerState):
         leaves, spec = tree_flatten(out)
         kept: list = []
         for leaf in leaves:
-            if type(leaf) is torch.Tensor and leaf.device.type != "meta":
+            if is_dense_tensor(leaf) and leaf.device.type != "meta":
                 storage = leaf.untyped_storage()
                 key = storage._cdata
                 if key not in self.refs:

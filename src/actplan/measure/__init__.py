@@ -2,13 +2,15 @@
 timer and gradient-parity checks, used by the benchmarks, the planner and the CLI to prove a plan
 saves memory, to price its overhead, and to prove it changes no gradient.
 
-This package only re-exports; the work is in ``_memory`` (with ``_tracker``), ``_counting``,
-``_timing`` and ``_parity``. It imports torch, the standard library and ``actplan._storage``.
+This package only re-exports; the work is in ``_memory`` (with ``_tracker``), ``_fake`` (runs on
+fake tensors), ``_counting``, ``_timing`` and ``_parity``. It imports torch, the standard library
+and ``actplan._storage``.
 """
 
 from __future__ import annotations
 
 from actplan.measure._counting import OpCounter
+from actplan.measure._fake import FakeRun, FakeValueError, RoutingRecorder, balanced_counts
 from actplan.measure._memory import (
     MarkSample,
     MemoryMeter,
@@ -26,6 +28,8 @@ from actplan.measure._parity import (
 from actplan.measure._timing import RatioStats, TimingStats, interleaved_timing, ratio
 
 __all__ = [
+    "FakeRun",
+    "FakeValueError",
     "GradCensus",
     "MarkSample",
     "MemoryMeter",
@@ -33,9 +37,11 @@ __all__ = [
     "OpCounter",
     "ParityReport",
     "RatioStats",
+    "RoutingRecorder",
     "SavedTensorMeter",
     "StepCapture",
     "TimingStats",
+    "balanced_counts",
     "capture_step",
     "compare_steps",
     "grad_census",

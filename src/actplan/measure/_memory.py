@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from actplan._storage import owned_storages, storage_key
 from actplan.measure._tracker import CompiledCodeTracker, StorageTracker
@@ -56,7 +56,14 @@ class MemoryReport:
 
 
 def _storage_key(tensor: torch.Tensor) -> int | None:
-    return None if tensor.is_meta or isinstance(tensor, FakeTensor) else storage_key(tensor)
+    # Fake tensors have (meta) storages shared by their views, so they count like real ones.
+    return None if tensor.is_meta and not isinstance(tensor, FakeTensor) else storage_key(tensor)
+
+
+def fake_mode_of(tensors: Iterable[torch.Tensor]) -> FakeTensorMode | None:
+    """The ``FakeTensorMode`` of the first fake tensor in ``tensors`` (a model built under one),
+    or None for real tensors."""
+    return next((t.fake_mode for t in tensors if isinstance(t, FakeTensor)), None)
 
 
 def _unique_storage_bytes(tensors: Iterable[torch.Tensor]) -> dict[int, int]:
@@ -141,7 +148,7 @@ class MemoryMeter:
             torch.cuda.reset_peak_memory_stats()
             self._cuda_base_allocated = torch.cuda.memory_allocated()
         tracker_type = CompiledCodeTracker if self.run_compiled else StorageTracker
-        self._tracker = tracker_type(self.timeline_cap)
+        self._tracker = tracker_type(self.timeline_cap, fake_mode_of(params))
         self._tracker.__enter__()
         self._active = True
         return self

@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 _FREE_LABEL = "free"
@@ -90,8 +90,11 @@ class StorageTracker(TorchDispatchMode):
     while any tensor holds the storage, so the callback fires on the real free).
     """
 
-    def __init__(self, timeline_cap: int) -> None:
+    def __init__(self, timeline_cap: int, fake_mode: FakeTensorMode | None = None) -> None:
         super().__init__()
+        # A run on fake tensors (``FakeTensorMode``): its tensors are counted like real ones.
+        # Fake tensors of any other mode (a compiler's tracing) are not allocations of the run.
+        self.fake_mode = fake_mode
         # storage key -> [nbytes, weakref]; the weakref must live here for its
         # callback to fire, and dropping the dict disarms every callback at once.
         self.tracked: dict[int, list[Any]] = {}
@@ -130,8 +133,9 @@ class StorageTracker(TorchDispatchMode):
     def _observe(self, tensor: torch.Tensor, info: tuple[bool, str]) -> None:
         if type(tensor) is not torch.Tensor:
             if isinstance(tensor, FakeTensor):
-                return
-            if is_traceable_wrapper_subclass(tensor):
+                if self.fake_mode is None or tensor.fake_mode is not self.fake_mode:
+                    return
+            elif is_traceable_wrapper_subclass(tensor):
                 # e.g. DTensor: the memory lives in the inner tensors it wraps.
                 inner_names, _ = tensor.__tensor_flatten__()
                 self._observe_all((getattr(tensor, name) for name in inner_names), info)

@@ -1,0 +1,163 @@
+"""Runs on fake tensors: a model of any size built, planned and stepped without allocating its
+memory, so the memory meter measures a real-scale step on a laptop.
+
+Bytes do not depend on values: under ``torch._subclasses.FakeTensorMode`` every op produces a
+tensor with the real shape, dtype, strides and storage sharing, but no data, and
+``MemoryMeter`` counts those storages exactly as it counts real ones (``tests/test_fake.py``
+proves fake and real agree to the byte). Fake tensors live on the CPU device: the CPU
+flash-attention op saves what the GPU one saves (the output and the log-sum-exp).
+
+What values decide cannot be faked. One such decision has a stated assumption: how many tokens
+each expert receives (``torch.bincount`` of the router's choices, read with ``.tolist()``).
+``FakeRun(routing="balanced")`` gives every expert an equal share, as capacity planning does;
+``routing=`` a list of count lists replays recorded counts (one list per ``bincount`` call, in
+order). Any other op whose output size depends on values stops the run with an error naming it.
+Imports torch only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import torch
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensor,
+    FakeTensorMode,
+)
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
+__all__ = ["FakeRun", "FakeValueError", "RoutingRecorder", "balanced_counts", "is_fake"]
+
+
+class FakeValueError(RuntimeError):
+    """A fake-tensor run reached something that needs real values."""
+
+
+def is_fake(tensor: object) -> bool:
+    return isinstance(tensor, FakeTensor)
+
+
+def balanced_counts(total: int, bins: int) -> list[int]:
+    """``total`` items over ``bins`` as evenly as they go: the first ``total % bins`` get one more."""
+    share, extra = divmod(total, bins)
+    return [share + (index < extra) for index in range(bins)]
+
+
+class _Routing(TorchDispatchMode):
+    """Answers ``bincount`` under fake tensors with counts whose values are known, and turns
+    torch's data-dependence errors into one that says what to do."""
+
+    def __init__(self, fake_mode: FakeTensorMode, routing: Literal["balanced"] | Sequence[Sequence[int]]):
+        super().__init__()
+        self.fake_mode = fake_mode
+        self.routing = routing
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten.bincount.default and is_fake(args[0]):
+            return self._bincount(*args, **kwargs)
+        try:
+            return func(*args, **kwargs)
+        except (DataDependentOutputException, DynamicOutputShapeException) as err:
+            raise FakeValueError(
+                f"{func} needs tensor values to know its result, and a fake-tensor run has none "
+                f"({type(err).__name__}). actplan estimates on fake tensors only models whose sizes "
+                "follow from shapes (plus MoE token counts from `torch.bincount`, which follow the "
+                "routing assumption); measure this model with real tensors at a smaller shape"
+            ) from None
+
+    def _bincount(self, ids: torch.Tensor, weights: torch.Tensor | None = None, minlength: int = 0):
+        if weights is not None:
+            raise FakeValueError("bincount with weights under fake tensors: its values are unknown")
+        if self.routing == "balanced":
+            if minlength <= 0:
+                raise FakeValueError(
+                    "bincount without minlength under fake tensors: the number of bins depends on "
+                    "values; pass minlength=<number of experts>"
+                )
+            counts = balanced_counts(ids.numel(), minlength)
+        else:
+            if self.calls >= len(self.routing):
+                raise FakeValueError(
+                    f"the recorded routing has {len(self.routing)} bincount results, and the run asked "
+                    "for another; record the counts of every router call of one step"
+                )
+            counts = list(self.routing[self.calls])
+            if sum(counts) != ids.numel() or len(counts) < minlength:
+                raise FakeValueError(
+                    f"recorded counts #{self.calls} ({len(counts)} bins, {sum(counts)} items) do not "
+                    f"fit this call ({ids.numel()} items, minlength {minlength})"
+                )
+        self.calls += 1
+        with _disable_current_modes():  # a real tensor, made outside the fake mode
+            real = torch.tensor(counts, dtype=torch.int64)
+        out = self.fake_mode.from_tensor(real)
+        out.constant = real  # so `.tolist()` (split sizes) reads the assumed counts
+        return out
+
+
+class FakeRun:
+    """Fake tensors for a measured run: enter it, build the model and batch, apply a plan, step.
+
+    ::
+
+        with FakeRun() as fake:
+            bundle = build_model("dense", "small", n_layers=32, dim=4096, ...)
+            actplan.apply(bundle.model, "matmuls")
+            with MemoryMeter(bundle.model, optimizer) as meter:
+                train_step(bundle.model, bundle.batch(0, fake.device), optimizer, context=...)
+
+    Parameters, buffers, activations and optimizer state are all fake: nothing the size of the
+    model is allocated. Tensors made outside the block (real ones) cannot enter it; build
+    everything inside. ``routing`` is the MoE token-count assumption (see the module doc).
+    """
+
+    device = torch.device("cpu")
+
+    def __init__(self, routing: Literal["balanced"] | Sequence[Sequence[int]] = "balanced") -> None:
+        if routing != "balanced" and (
+            isinstance(routing, str) or not all(isinstance(c, Sequence) for c in routing)
+        ):
+            raise ValueError(f"routing must be 'balanced' or a list of count lists, got {routing!r}")
+        self.routing = routing
+        self.mode: FakeTensorMode | None = None
+        self._routing_mode: _Routing | None = None
+
+    def __enter__(self) -> FakeRun:
+        if self.mode is not None:
+            raise RuntimeError("FakeRun is already entered; use one block per run")
+        self.mode = FakeTensorMode(allow_non_fake_inputs=False)
+        self.mode.__enter__()
+        self._routing_mode = _Routing(self.mode, self.routing)
+        self._routing_mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        assert self.mode is not None and self._routing_mode is not None
+        self._routing_mode.__exit__(*exc)
+        self.mode.__exit__(*exc)
+        self._routing_mode = None
+
+    @property
+    def bincount_calls(self) -> int:
+        """How many token-count results the routing assumption has answered so far."""
+        return 0 if self._routing_mode is None else self._routing_mode.calls
+
+
+class RoutingRecorder(TorchDispatchMode):
+    """Records the token counts (``bincount`` results) of a real run, in call order, so a fake
+    run can replay them: ``FakeRun(routing=recorder.counts)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: list[list[int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten.bincount.default:
+            self.counts.append(out.tolist())
+        return out

@@ -1,0 +1,89 @@
+"""Fake-tensor runs: the memory meter on a model built under ``FakeRun`` sees the same bytes as
+on the real model, to the byte and at every point of the step; token counts follow the routing
+assumption; what needs values is refused by name."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+import actplan
+from actplan.measure import FakeRun, FakeValueError, MemoryMeter, RoutingRecorder, balanced_counts
+from actplan.models import load_model, train_step
+
+PRESETS = ["none", "full", "attn", "matmuls", "megatron-selective"]
+
+
+def _metered_step(bundle, preset: str, device: torch.device, recorder=None):
+    if preset != "none":
+        actplan.apply(bundle.model, preset)
+    optimizer = torch.optim.AdamW(bundle.model.parameters(), lr=1e-4)
+    meter = MemoryMeter(bundle.model, optimizer)
+
+    @contextlib.contextmanager
+    def metered():
+        with recorder if recorder is not None else contextlib.nullcontext(), meter:
+            yield
+
+    train_step(
+        bundle.model,
+        bundle.batch(0, device),
+        optimizer,
+        seed=0,
+        context=metered(),
+        after_forward=lambda loss: meter.mark("forward_end"),
+    )
+    return meter.report()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["dense", "moe", "mtp", "sparse"])
+def test_fake_and_real_steps_hold_the_same_bytes_at_every_point(model):
+    for preset in PRESETS:
+        recorder = RoutingRecorder()
+        real = _metered_step(load_model(model, "tiny"), preset, torch.device("cpu"), recorder)
+        # The MoE model routes by values: the fake run replays the real run's token counts.
+        with FakeRun(routing=recorder.counts or "balanced") as fake:
+            bundle = load_model(model, "tiny")
+            assert all(type(p).__name__ == "FakeTensor" for p in bundle.model.parameters())
+            estimate = _metered_step(bundle, preset, fake.device)
+        assert estimate.peak_bytes == real.peak_bytes, preset
+        assert estimate.param_bytes == real.param_bytes > 0, preset
+        assert estimate.marks["forward_end"] == real.marks["forward_end"], preset
+        assert estimate.timeline == real.timeline, preset
+
+
+def test_balanced_routing_gives_every_expert_an_equal_share():
+    assert balanced_counts(10, 4) == [3, 3, 2, 2]
+    assert balanced_counts(8, 4) == [2, 2, 2, 2]
+    with FakeRun() as fake:
+        ids = torch.randint(0, 4, (10,))
+        counts = torch.bincount(ids, minlength=4)
+        assert counts.tolist() == [3, 3, 2, 2]
+        assert [len(part) for part in torch.randn(10, 2).split(counts.tolist())] == [3, 3, 2, 2]
+        assert fake.bincount_calls == 1
+
+
+def test_fake_moe_step_runs_under_balanced_routing():
+    with FakeRun() as fake:
+        bundle = load_model("moe", "tiny")
+        report = _metered_step(bundle, "matmuls", fake.device)
+        config = bundle.model.config
+        # One count per MoE layer: the replay of a recomputed layer never routes again.
+        assert fake.bincount_calls == config.n_layers - config.first_k_dense
+    assert report.marks["forward_end"].activation_bytes > 0
+
+
+def test_what_needs_values_is_refused_by_name():
+    with FakeRun():
+        x = torch.randn(8)
+        with pytest.raises(FakeValueError, match=r"nonzero.*needs tensor values"):
+            torch.nonzero(x > 0)
+        with pytest.raises(FakeValueError, match="minlength"):
+            torch.bincount(torch.randint(0, 4, (10,)))
+    with FakeRun(routing=[[5, 5]]), pytest.raises(FakeValueError, match="do not fit"):
+        torch.bincount(torch.randint(0, 2, (7,)), minlength=2)
+    with pytest.raises(ValueError, match="routing must be"):
+        FakeRun(routing="uniform")

@@ -87,3 +87,11 @@ def test_what_needs_values_is_refused_by_name():
         torch.bincount(torch.randint(0, 2, (7,)), minlength=2)
     with pytest.raises(ValueError, match="routing must be"):
         FakeRun(routing="uniform")
+
+
+def test_offload_on_fake_tensors_is_refused_not_skipped():
+    with FakeRun() as fake:
+        bundle = load_model("dense", "tiny")
+        actplan.apply(bundle.model, {"preset": "full", "offload": {"layer_input": True, "min_bytes": 0}})
+        with pytest.raises(RuntimeError, match="offload on fake tensors"):
+            train_step(bundle.model, bundle.batch(0, fake.device), seed=0)

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from actplan._engine.host_pool import HostPool, StreamCopies, SyncCopies
@@ -187,6 +188,13 @@ class OffloadEngine:
         if isinstance(tensor, nn.Parameter) or (tensor.is_leaf and tensor.requires_grad):
             stats.skipped_parameters += 1
             return tensor
+        if isinstance(tensor, FakeTensor):
+            # Never skip silently: the estimate would hold bytes a real run moves to the host.
+            raise RuntimeError(
+                f"{group.name}: offload on fake tensors (FakeRun) is not supported yet: the host "
+                "copies need values. Estimate the plan without its offload section, or measure "
+                "offload with real tensors at a smaller shape"
+            )
         if type(tensor) is not torch.Tensor or tensor.layout is not torch.strided:
             stats.skipped_other += 1
             return tensor

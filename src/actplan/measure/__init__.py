@@ -3,8 +3,8 @@ timer and gradient-parity checks, used by the benchmarks, the planner and the CL
 saves memory, to price its overhead, and to prove it changes no gradient.
 
 This package only re-exports; the work is in ``_memory`` (with ``_tracker``), ``_fake`` (runs on
-fake tensors), ``_counting``, ``_timing`` and ``_parity``. It imports torch, the standard library
-and ``actplan._storage``.
+fake tensors), ``_roofline`` (estimated time on a named accelerator), ``_counting``,
+``_timing`` and ``_parity``. It imports torch, the standard library and ``actplan._storage``.
 """
 
 from __future__ import annotations
@@ -25,9 +25,12 @@ from actplan.measure._parity import (
     compare_steps,
     grad_census,
 )
+from actplan.measure._roofline import ACCELERATORS, Accelerator, RooflineClock, accelerator
 from actplan.measure._timing import RatioStats, TimingStats, interleaved_timing, ratio
 
 __all__ = [
+    "ACCELERATORS",
+    "Accelerator",
     "FakeRun",
     "FakeValueError",
     "GradCensus",
@@ -37,10 +40,12 @@ __all__ = [
     "OpCounter",
     "ParityReport",
     "RatioStats",
+    "RooflineClock",
     "RoutingRecorder",
     "SavedTensorMeter",
     "StepCapture",
     "TimingStats",
+    "accelerator",
     "balanced_counts",
     "capture_step",
     "compare_steps",

@@ -1,0 +1,190 @@
+"""A roofline clock: the time a step would take on a named accelerator, estimated op by op from
+the FLOPs it computes and the bytes it moves, for runs on a machine that is not that accelerator
+(fake tensors included, where nothing can be timed).
+
+Per op: ``max(FLOPs / peak FLOP/s, bytes read and written / HBM bandwidth)``. FLOPs come from
+``torch.utils.flop_counter``'s formulas (matrix products, convolutions, attention kernels, with
+the CPU flash-attention op added here), at the accelerator's peak for the op's dtype; every other
+op is charged for its bytes only. Views cost nothing. These are *estimates*: vendor peaks, no
+kernel efficiency, no launch overhead, no overlap of communication; ratios between plans (same
+shapes, same ops) hold better than absolute seconds. Imports torch only.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils import flop_counter
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+__all__ = ["ACCELERATORS", "Accelerator", "RooflineClock", "accelerator", "op_flops"]
+
+
+@dataclass(frozen=True)
+class Accelerator:
+    """Peak figures of one accelerator (dense, no sparsity), each from the vendor's datasheet."""
+
+    name: str
+    bf16_flops: float  # dense BF16/FP16 tensor-core FLOP/s
+    fp32_flops: float  # FP32 FLOP/s without TF32 (PyTorch's default for float32 matmuls)
+    hbm_bytes_per_s: float
+    host_link_bytes_per_s: float  # one direction, host <-> device
+    source: str
+
+
+ACCELERATORS: dict[str, Accelerator] = {
+    accel.name: accel
+    for accel in (
+        Accelerator(
+            "a100", 312e12, 19.5e12, 2.039e12, 32e9,
+            "NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB): BF16 312 TFLOPS dense, FP32 19.5 "
+            "TFLOPS, HBM2e 2,039 GB/s; PCIe Gen4 x16 32 GB/s per direction",
+        ),
+        Accelerator(
+            "h100", 989.4e12, 66.9e12, 3.35e12, 64e9,
+            "NVIDIA H100 Tensor Core GPU datasheet (SXM5): BF16 1,979 TFLOPS with sparsity (989 "
+            "dense), FP32 67 TFLOPS, HBM3 3.35 TB/s; PCIe Gen5 x16 64 GB/s per direction",
+        ),
+        Accelerator(
+            "h200", 989.4e12, 66.9e12, 4.8e12, 64e9,
+            "NVIDIA H200 Tensor Core GPU datasheet (SXM): BF16 1,979 TFLOPS with sparsity (989 "
+            "dense), FP32 67 TFLOPS, HBM3e 4.8 TB/s; PCIe Gen5 x16 64 GB/s per direction",
+        ),
+        Accelerator(
+            "b200", 2.25e15, 80e12, 8e12, 64e9,
+            "NVIDIA HGX B200 datasheet (per GPU): FP16/BF16 4.5 PFLOPS with sparsity (2.25 dense), "
+            "FP32 80 TFLOPS, HBM3e 8 TB/s; PCIe Gen5 x16 64 GB/s per direction",
+        ),
+        Accelerator(
+            "mi300x", 1307.4e12, 163.4e12, 5.3e12, 64e9,
+            "AMD Instinct MI300X datasheet: BF16 1,307.4 TFLOPS dense, FP32 163.4 TFLOPS, HBM3 "
+            "5.3 TB/s; PCIe Gen5 x16 64 GB/s per direction",
+        ),
+    )
+}  # fmt: skip
+
+
+def accelerator(name: str) -> Accelerator:
+    """The table's entry for ``name`` (case-insensitive); an error lists the table otherwise."""
+    found = ACCELERATORS.get(name.lower())
+    if found is None:
+        raise ValueError(f"unknown accelerator {name!r}; known: {', '.join(ACCELERATORS)}")
+    return found
+
+
+def _cpu_flash_forward(query, key, value, *args, out_val=None, **kwargs) -> int:
+    return flop_counter.sdpa_flop_count(query.shape, key.shape, value.shape)
+
+
+def _cpu_flash_backward(grad_out, query, key, value, *args, out_val=None, **kwargs) -> int:
+    return flop_counter.sdpa_backward_flop_count(grad_out.shape, query.shape, key.shape, value.shape)
+
+
+_aten = torch.ops.aten
+_EXTRA_FORMULAS: dict[Any, Any] = {
+    # The CPU flash-attention kernel (what fake runs on the CPU device use) does the work of the
+    # GPU one; torch's counter has formulas for the GPU kernels only.
+    _aten._scaled_dot_product_flash_attention_for_cpu: _cpu_flash_forward,
+    _aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_flash_backward,
+}
+
+
+def op_flops(func, args: tuple, kwargs: dict, out: Any) -> int:
+    """FLOPs of one aten op call (0 for ops without a formula: elementwise work is charged for
+    its bytes)."""
+    packet = getattr(func, "overloadpacket", func)
+    formula = _EXTRA_FORMULAS.get(packet) or flop_counter.flop_registry.get(packet)
+    if formula is None:
+        return 0
+    return int(formula(*args, **kwargs, out_val=out))
+
+
+def _tensor_bytes(leaves) -> int:
+    return sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
+
+
+@dataclass
+class OpCost:
+    """What one kind of op added up to: calls, FLOPs, bytes moved and estimated seconds."""
+
+    calls: int = 0
+    flops: int = 0
+    bytes_moved: int = 0
+    seconds: float = 0.0
+
+
+class RooflineClock(TorchDispatchMode):
+    """A dispatch mode that adds up estimated seconds on ``accelerator`` for every op it sees.
+
+    ::
+
+        clock = RooflineClock("h100")
+        with clock:
+            train_step(model, batch)
+        clock.seconds, clock.flops, clock.bytes_moved, clock.by_op
+
+    Enter it around forward and backward (a recomputing checkpoint replays its ops in backward,
+    so they are counted; ops a kept unit's cache serves are not). Works on real and fake tensors.
+    """
+
+    def __init__(self, accelerator_name: Accelerator | str = "h100") -> None:
+        super().__init__()
+        self.accelerator = (
+            accelerator(accelerator_name) if isinstance(accelerator_name, str) else accelerator_name
+        )
+        self.reset()
+
+    def reset(self) -> None:
+        """Zero the totals."""
+        self.seconds = 0.0
+        self.flops = 0
+        self.bytes_moved = 0
+        self.by_op: dict[str, OpCost] = defaultdict(OpCost)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        in_leaves = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        out_leaves = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        schema = getattr(func, "_schema", None)
+        writes = schema is not None and any(
+            a.alias_info is not None and a.alias_info.is_write for a in schema.arguments
+        )
+        if not writes:
+            if not out_leaves:
+                return out  # metadata (sizes, devices), no kernel
+            read = {_storage_id(t) for t in in_leaves}
+            if all(_storage_id(t) in read for t in out_leaves):
+                return out  # a view (``_unsafe_view`` included): no work
+        flops = op_flops(func, args, kwargs, out)
+        moved = _tensor_bytes(in_leaves) + _tensor_bytes(out_leaves)
+        seconds = self.op_seconds(flops, moved, _dtype_of(in_leaves))
+        cost = self.by_op[str(getattr(func, "overloadpacket", func))]
+        cost.calls += 1
+        cost.flops += flops
+        cost.bytes_moved += moved
+        cost.seconds += seconds
+        self.flops += flops
+        self.bytes_moved += moved
+        self.seconds += seconds
+        return out
+
+    def op_seconds(self, flops: int, bytes_moved: int, dtype: torch.dtype | None) -> float:
+        accel = self.accelerator
+        peak = accel.fp32_flops if dtype in (torch.float32, torch.float64) else accel.bf16_flops
+        return max(flops / peak, bytes_moved / accel.hbm_bytes_per_s)
+
+
+def _storage_id(tensor: torch.Tensor) -> int:
+    try:
+        return tensor.untyped_storage()._cdata
+    except (NotImplementedError, RuntimeError):  # sparse and other storage-less layouts
+        return id(tensor)
+
+
+def _dtype_of(leaves) -> torch.dtype | None:
+    return next((t.dtype for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()), None)

@@ -32,7 +32,7 @@ bench: $(STAMP)
 peers: $(STAMP)
 	$(PY) -m bench.peers
 
-# Everything that needs CUDA, under 8 minutes on one H200; installs nothing (see README, "On a GPU").
+# Everything that needs CUDA, at most 7 minutes on one H200; installs nothing (see README, "On a GPU").
 gpu:
 	$(if $(wildcard $(PY)),$(PY),$(PYTHON)) -m bench.gpu.suite
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import platform
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,6 +32,8 @@ class StageReport:
             "headline": [],
             "skipped": [],
             "checks": [],
+            # Where deterministic algorithms were on (``context.Determinism.record``).
+            "deterministic": {"on": False, "where": "nowhere"},
         }
         self.markdown: list[str] = []
 
@@ -54,10 +58,11 @@ class StageReport:
         return all(c["ok"] for c in self.data["checks"])
 
     def write(self) -> None:
+        """Both files, each replaced whole: a stage killed mid-write leaves the previous version."""
         stem = self.ctx.out / f"gpu_{self.ctx.name}"
         stem.parent.mkdir(parents=True, exist_ok=True)
-        stem.with_suffix(".json").write_text(json.dumps(json_safe(self.data), indent=2) + "\n")
-        stem.with_suffix(".md").write_text(self.to_markdown())
+        write_atomic(stem.with_suffix(".json"), json.dumps(json_safe(self.data), indent=2) + "\n")
+        write_atomic(stem.with_suffix(".md"), self.to_markdown())
 
     def to_markdown(self) -> str:
         d = self.data
@@ -67,6 +72,7 @@ class StageReport:
             f"- device: {d['device']}; torch {d['torch_version']}; scale {d['scale']}",
             f"- started {d['started']}",
             f"- {'complete' if d['complete'] else 'PARTIAL (the stage stopped before its end)'}",
+            f"- deterministic algorithms: {deterministic_text(d['deterministic'])}",
             "",
         ]
         lines += [f"- {line}" for line in d["headline"]]
@@ -87,6 +93,31 @@ class StageReport:
         if self.markdown:
             lines += ["", *self.markdown]
         return "\n".join(lines) + "\n"
+
+
+def deterministic_text(record: dict[str, Any]) -> str:
+    if not record.get("on"):
+        reason = record.get("reason_off")
+        return "off" + (f" ({reason})" if reason else "")
+    config = record.get("cublas_workspace_config")
+    text = f"on for {record['where']} (warn_only; CUBLAS_WORKSPACE_CONFIG={config})"
+    ops = record.get("nondeterministic_ops")
+    return text + (f"; ran without a deterministic implementation: {', '.join(ops)}" if ops else "")
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file and a rename."""
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(text)
+    os.replace(partial, path)
+
+
+def read_json(path: Path) -> dict[str, Any] | None:
+    """A JSON file a stage wrote, or None when it is missing or unreadable."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def json_safe(value: Any) -> Any:

@@ -29,7 +29,7 @@ from actplan.measure import (
 )
 from actplan.models import ModelBundle, loss_of, train_step
 from actplan.sizes import mib
-from bench.gpu.context import StageContext, say
+from bench.gpu.context import Determinism, StageContext, say
 from bench.gpu.report import StageReport
 
 NOISE_FACTOR = 4.0
@@ -130,7 +130,9 @@ class RowRunner:
 
     Parity: loss and every gradient against ``none`` within ``NOISE_FACTOR`` times the noise
     floor (the difference between two ``none`` runs; for compiled rows, also that between
-    compiled and eager ``none``), and an identical grad census. Memory: the meter's activation
+    compiled and eager ``none``), and an identical grad census. The eager parity steps run
+    under ``exact`` (deterministic algorithms where torch allows it: the floor is then 0 and
+    parity bit-exact); the metered, peak and timed steps outside it. Memory: the meter's activation
     bytes at the end of forward and its peak; on CUDA the peak of a plain step by
     ``max_memory_allocated``. Time: interleaved rounds, each row against ``none`` in the same
     rounds.
@@ -145,15 +147,21 @@ class RowRunner:
     baseline: StepCapture | None = None
     noise: dict[str, float] = field(default_factory=dict)
     _none: Contender | None = None
+    exact: Determinism | None = None
     _group: list[tuple[Contender, dict[str, Any]]] = field(default_factory=list)
     _groups: int = 0
 
     def start(self) -> None:
+        if self.exact is None:
+            self.exact = Determinism(self.ctx.device)
         none_install = config_installer(policy_config("none"))
-        say(f"{self.key}: none, and a second none for the noise floor")
-        self._none = prepare_contender(self.bundle, "none", none_install, self.batch, self.ctx.device)
+        say(f"{self.key}: none, and a second none for the noise floor (deterministic: {self.exact.on})")
+        self._none = prepare_contender(
+            self.bundle, "none", none_install, self.batch, self.ctx.device, parity_context=self.exact
+        )
         self.baseline = self._none.capture
-        again = fresh_capture(self.bundle, none_install, self.batch, self.ctx.device)
+        with self.exact():
+            again = fresh_capture(self.bundle, none_install, self.batch, self.ctx.device)
         floor = compare_steps(self.baseline, again)
         self.noise = {"loss": floor.loss_abs_diff, "grad": floor.max_abs_grad_diff}
         self.report.data.setdefault("noise_floor", {})[self.key] = dict(self.noise)
@@ -181,8 +189,12 @@ class RowRunner:
         if self.ctx.cuda and self._group and not self._room_for_another():
             self.flush()
         try:
-            prepare = prepare_compiled if spec.compiled else prepare_contender
-            contender = prepare(self.bundle, spec.name, spec.install, self.batch, device)
+            if spec.compiled:
+                contender = prepare_compiled(self.bundle, spec.name, spec.install, self.batch, device)
+            else:
+                contender = prepare_contender(
+                    self.bundle, spec.name, spec.install, self.batch, device, parity_context=self.exact
+                )
         except Exception as err:  # one broken row must not end the stage
             record = {
                 "name": spec.name, "kind": spec.kind, "compiled": spec.compiled, "error": error_text(err)
@@ -216,6 +228,7 @@ class RowRunner:
             "grad_atol": grad_atol,
             "census_match": parity.census_match,
             "parity_ok": parity.ok,
+            "bit_exact": parity.loss_identical and parity.max_abs_grad_diff == 0 and parity.census_match,
             "activation_bytes": contender.activation_bytes,
             # Compiled rows have no meter peak: the meter cannot run inside their graphs.
             "peak_bytes": None if spec.compiled else contender.peak_bytes,
@@ -226,6 +239,9 @@ class RowRunner:
             "offloaded_bytes": offloaded,
             "reloaded_bytes": reloaded,
         }
+        self.report.data["deterministic"] = self.exact.record(
+            "the parity steps of the eager rows (none twice, then each row's first step)"
+        )
         self.report.check(
             f"{self.key} {spec.name} parity",
             parity.ok,

@@ -1,8 +1,9 @@
 """One prepared GPU run: the CUDA tests, then every GPU measurement, each stage under its own time cap.
 
-    python -m bench.gpu.suite                        # on CUDA: everything, under 8 minutes on one H200
+    python -m bench.gpu.suite                        # on CUDA: everything, at most 7 minutes on one H200
     python -m bench.gpu.suite --out "$OUT"           # write the results somewhere else
     python -m bench.gpu.suite --stages offload,plan  # some stages only (e.g. those a short run missed)
+    python -m bench.gpu.suite --stages compiled,peers --extra   # what was cut to fit, in a second run
     python -m bench.gpu.suite --scale tiny --device cpu   # the CPU rehearsal: CUDA-only parts skipped
 
 It installs nothing. torch (a CUDA build) and actplan's dependencies must be importable;
@@ -11,27 +12,39 @@ repository root.
 
 Stages, in this order, each in its own process so that a crash or a hang ends that stage
 only; a stage past its cap, or past what is left of ``--budget``, is killed and reported
-as timed out, and the next one starts:
+as timed out, and the next one starts. The caps add up to the budget at most
+(``context.check_settings``); ``docs/benchmarks.md`` gives each stage's planned time, so that
+the run fits one 10-minute device command with the machine's start:
 
-``tests``        ``pytest -m cuda tests/test_cuda.py``: parity of every preset and offload row on
-                 dense and moe in fp32 and bf16, offload under stress, the memory meter against
-                 ``torch.cuda.max_memory_allocated``, Inductor-compiled layers.
+``tests``        ``pytest -m cuda tests/test_cuda.py`` in two calls, the eager tests, then the
+                 Inductor ones: parity of every preset and offload row on dense and moe in fp32
+                 and bf16, offload under stress, the memory meter against
+                 ``torch.cuda.max_memory_allocated``, Inductor-compiled layers. Each test's result
+                 is appended to ``gpu_tests.jsonl`` as it finishes, so a stage cut at its cap
+                 still reports every test that finished.
 ``offload``      pinned copy bandwidth both ways; layer-input offload at hidden size 4096: share
-                 of copy time hidden (goal >= 90%), peak cut against bytes offloaded (goal: equal
-                 within 5%). The rows of ``bench.gpu.offload`` on the dense model.
+                 of copy time hidden (goal >= 90%), device bytes at the end of forward cut by
+                 the bytes offloaded (goal: equal within 5%). The rows of ``bench.gpu.offload``
+                 on the dense model.
 ``bench_dense``  ``actplan bench`` rows on the GPU-sized dense model (``bench.gpu.models``):
                  parity, activation bytes, peak (``max_memory_allocated``), step-time ratios.
-``compiled``     ``none``, ``full`` and ``matmuls`` with every layer compiled by Inductor
-                 (``fullgraph=True``), against eager ``none``.
+``compiled``     ``none`` and ``matmuls`` (``--extra``: and ``full``) with every layer compiled by
+                 Inductor (``fullgraph=True``), against eager ``none``.
 ``plan``         ``actplan plan`` at two budgets on the dense model: predicted against measured
                  peak and step time.
 ``bench_moe``    the bench rows on the GPU-sized MoE model.
-``peers``        ``bench.peers.main`` on the GPU: the peers, the presets and plans at each peer's peak.
+``peers``        ``bench.peers.main`` on the GPU: the peers, the presets and plans at each peer's
+                 peak, on the dense model (``--extra``: and the MoE model).
+
+Parity steps run with deterministic algorithms where torch allows it
+(``CUBLAS_WORKSPACE_CONFIG`` is set for every stage process); each report says where they
+were on. Timed and memory-measured steps run without them.
 
 Every stage writes ``gpu_<stage>.json`` and ``.md`` (and its output in ``gpu_<stage>.log``)
 under ``--out`` as soon as it has a result, so a stage cut short still leaves what it
-measured; the driver rewrites ``gpu_suite.json`` and ``gpu_suite.md`` (the one-screen summary)
-after each stage. Exit status: 0 when every stage that ran passed its checks, 1 otherwise.
+measured, and the driver reports it (for ``tests``, from ``gpu_tests.jsonl``); the driver
+rewrites ``gpu_suite.json`` and ``gpu_suite.md`` (the one-screen summary) after each stage.
+Exit status: 0 when every stage that ran passed its checks, 1 otherwise.
 
 This module is the driver (options, stage processes, the summary). The rest of the suite:
 ``bench.gpu.context`` (settings, stage context), ``bench.gpu.report`` (a stage's report),
@@ -66,11 +79,19 @@ import torch  # noqa: E402
 
 from actplan.devices import resolve_device  # noqa: E402
 from actplan.evaluate.bench import TORCH_CHECKPOINT as TORCH_CHECKPOINT  # noqa: E402  (tests read it here)
-from bench.gpu.context import SETTINGS, STAGE_ORDER, StageContext, say  # noqa: E402
-from bench.gpu.report import StageReport, device_name, fmt_value, json_safe  # noqa: E402
+from bench.gpu.context import (  # noqa: E402
+    DETERMINISTIC_ENV,
+    SETTINGS,
+    STAGE_ORDER,
+    StageContext,
+    say,
+    with_extra,
+)
+from bench.gpu.report import StageReport, device_name, fmt_value, json_safe, read_json  # noqa: E402
 from bench.gpu.rows import error_text  # noqa: E402
 from bench.gpu.stages_measure import BENCH_ROWS as BENCH_ROWS  # noqa: E402  (tests read it here)
 from bench.gpu.stages_measure import (  # noqa: E402
+    salvage_tests,
     stage_bench_dense,
     stage_bench_moe,
     stage_compiled,
@@ -86,10 +107,13 @@ RESULTS = Path("bench/results")
 class Stage:
     title: str
     run: Callable[[StageContext, StageReport], None]
+    # Rebuilds the report of a stage that did not end (killed at its cap, or crashed) from what
+    # it left under --out, beyond its last gpu_<stage>.json: (out, stage, that json or None).
+    salvage: Callable[[Path, str, dict[str, Any] | None], dict[str, Any]] | None = None
 
 
 STAGES: dict[str, Stage] = {
-    "tests": Stage("CUDA tests (pytest -m cuda)", stage_tests),
+    "tests": Stage("CUDA tests (pytest -m cuda)", stage_tests, salvage_tests),
     "offload": Stage("copy bandwidth and layer-input offload", stage_offload),
     "bench_dense": Stage("bench rows, dense", stage_bench_dense),
     "compiled": Stage("compiled layers (Inductor)", stage_compiled),
@@ -156,7 +180,7 @@ def check_device(device: torch.device) -> dict[str, Any]:
 
 
 def _stage_env() -> dict[str, str]:
-    env = dict(os.environ)
+    env = {**DETERMINISTIC_ENV, **os.environ}  # CUBLAS_WORKSPACE_CONFIG, before CUDA initialises
     paths = [str(REPO), str(REPO / "src"), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
     return env
@@ -170,6 +194,7 @@ def launch_stage(name: str, args: argparse.Namespace, cache_dir: Path, cap: floa
     json_path.unlink(missing_ok=True)
     command = [sys.executable, "-m", "bench.gpu.suite", "--run-stage", name, "--out", str(out)]
     command += ["--scale", args.scale, "--device", args.device, "--cache-dir", str(cache_dir)]
+    command += ["--tests-file", args.tests_file] + (["--extra"] if args.extra else [])
     started = time.perf_counter()
     with open(log_path, "w") as log:
         process = subprocess.Popen(
@@ -184,7 +209,10 @@ def launch_stage(name: str, args: argparse.Namespace, cache_dir: Path, cap: floa
             code = None
     seconds = time.perf_counter() - started
     result: dict[str, Any] = {"stage": name, "seconds": seconds, "cap_s": cap, "exit_code": code}
-    report = json.loads(json_path.read_text()) if json_path.exists() else None
+    report = read_json(json_path)
+    salvage = STAGES[name].salvage
+    if salvage is not None and (code not in (0, 1) or report is None or not report.get("complete")):
+        report = salvage(out, name, report)  # what a killed or crashed stage left
     result["report"] = report
     if code is None:
         result["status"] = "timed out"
@@ -267,6 +295,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--stages", help=f"comma-separated subset of {', '.join(STAGE_ORDER)}")
     parser.add_argument("--budget", type=float, help="seconds for the whole suite (default per scale)")
     parser.add_argument("--caps", help="per-stage caps in seconds, e.g. 'tests=100,peers=60'")
+    parser.add_argument(
+        "--extra",
+        action="store_true",
+        help="also what was cut to fit one 10-minute run (full compiled, MoE peers, the fp32 "
+        "compiled-plans test); caps and budget grow to fit it",
+    )
+    parser.add_argument("--tests-file", default="tests/test_cuda.py", help=argparse.SUPPRESS)
     parser.add_argument("--cache-dir", help=argparse.SUPPRESS)
     parser.add_argument("--run-stage", choices=sorted(STAGES), help=argparse.SUPPRESS)
     return parser
@@ -275,9 +310,17 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     device = _resolve_device_and_scale(args)
-    settings = SETTINGS[args.scale]
+    settings = with_extra(SETTINGS[args.scale]) if args.extra else SETTINGS[args.scale]
     if args.run_stage:
-        ctx = StageContext(args.run_stage, Path(args.out), args.scale, device, Path(args.cache_dir), settings)
+        ctx = StageContext(
+            args.run_stage,
+            Path(args.out),
+            args.scale,
+            device,
+            Path(args.cache_dir),
+            settings,
+            args.tests_file,
+        )
         return run_stage(ctx)
 
     stages = parse_stages(args.stages)
@@ -285,6 +328,12 @@ def main(argv: list[str] | None = None) -> int:
     budget = args.budget if args.budget is not None else settings.budget_s
     if budget <= 0:
         raise SystemExit(f"--budget must be a positive number of seconds, got {budget}")
+    planned = sum(caps[name] for name in stages)
+    if planned > budget:
+        say(
+            f"the chosen stages' caps add up to {planned:.0f} s against a {budget:.0f} s budget: "
+            "the last ones may be cut short or not run"
+        )
     out = Path(args.out).resolve()
     args.out = str(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -302,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     _run_stages(args, suite, stages, caps, started)
     summary = write_suite(out, suite)
     print(summary)
-    print(f"results: {out}/gpu_*.json, .md and .log")
+    print(f"results: {out}/gpu_*.json, .md and .log (and gpu_tests.jsonl)")
     bad = {"error", "timed out", "checks failed"}
     return 1 if any(s["status"] in bad for s in suite["stages"]) else 0
 

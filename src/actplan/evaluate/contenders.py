@@ -7,8 +7,10 @@ May import torch, the install layer, the config, ``measure`` and the models; not
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -125,6 +127,7 @@ def prepare_contender(
     *,
     compiled: bool = False,
     quiet_offload: bool = False,
+    parity_context: Callable[[], AbstractContextManager[Any]] | None = None,
 ) -> Contender:
     """Copy the model, install ``install`` on it, run the parity step and one metered step.
 
@@ -134,13 +137,17 @@ def prepare_contender(
 
     ``quiet_offload``: silence the offload engine's "moved nothing" warning for this row (a
     row the bench chose itself, not one the user configured).
+
+    ``parity_context``: makes the context the parity step runs in (the GPU suite's
+    deterministic algorithms); the metered step runs outside it.
     """
     model = copy.deepcopy(bundle.model).to(device)
     description = install(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
     contender = Contender(name, description, model, optimizer, quiet_offload=quiet_offload)
     # Step 0 builds the optimizer state (and compiles), so step 1 is metered with it resident.
-    contender.capture = contender_step(contender, batch, seed=0, capture=True)
+    with parity_context() if parity_context is not None else contextlib.nullcontext():
+        contender.capture = contender_step(contender, batch, seed=0, capture=True)
     _metered_step(contender, batch, compiled)
     return contender
 

@@ -12,6 +12,12 @@ each expert receives (``torch.bincount`` of the router's choices, read with ``.t
 ``FakeRun(routing="balanced")`` gives every expert an equal share, as capacity planning does;
 ``routing=`` a list of count lists replays recorded counts (one list per ``bincount`` call, in
 order). Any other op whose output size depends on values stops the run with an error naming it.
+
+Fake tensors run the CPU's kernels. Where those save what a GPU run saves, the bytes are the
+GPU's: the CPU flash-attention op saves the output and the log-sum-exp, as the GPU one does.
+One difference remains: ``F.dropout`` with ``p > 0`` saves a mask of the input's dtype on the
+CPU, where CUDA's fused kernel saves a 1-byte one (the reference models train without dropout,
+as Llama- and Qwen-style pretraining does).
 Imports torch only.
 """
 

@@ -174,6 +174,11 @@ class MemoryMeter:
             tracker.timeline.record_mark(label, sample.live_bytes)
         return sample
 
+    def live_bytes_by_op(self) -> dict[str, int]:
+        """Bytes allocated in the current window and still alive, by the op that allocated each
+        storage (``aten.addmm.default``, ...), largest first: what makes up the live bytes now."""
+        return self._active_tracker("live_bytes_by_op").live_bytes_by_op()
+
     @property
     def live_bytes(self) -> int:
         """Bytes allocated in the current window that are still alive."""

@@ -95,7 +95,7 @@ class StorageTracker(TorchDispatchMode):
         # A run on fake tensors (``FakeTensorMode``): its tensors are counted like real ones.
         # Fake tensors of any other mode (a compiler's tracing) are not allocations of the run.
         self.fake_mode = fake_mode
-        # storage key -> [nbytes, weakref]; the weakref must live here for its
+        # storage key -> [nbytes, weakref, allocating op]; the weakref must live here for its
         # callback to fire, and dropping the dict disarms every callback at once.
         self.tracked: dict[int, list[Any]] = {}
         self.live_bytes = 0
@@ -164,7 +164,7 @@ class StorageTracker(TorchDispatchMode):
         device_type = storage.device.type
         with self.lock:
             ref = weakref.ref(storage, functools.partial(self._on_free, key))
-            self.tracked[key] = [nbytes, ref]
+            self.tracked[key] = [nbytes, ref, label]
             self.saw_cuda = self.saw_cuda or device_type == "cuda"
             self._change(nbytes, label)
 
@@ -185,6 +185,14 @@ class StorageTracker(TorchDispatchMode):
     def live_storages(self) -> dict[int, int]:
         with self.lock:
             return {key: entry[0] for key, entry in self.tracked.items()}
+
+    def live_bytes_by_op(self) -> dict[str, int]:
+        """Live bytes grouped by the op that allocated each storage, largest first."""
+        totals: dict[str, int] = {}
+        with self.lock:
+            for nbytes, _, label in self.tracked.values():
+                totals[label] = totals.get(label, 0) + nbytes
+        return dict(sorted(totals.items(), key=lambda item: -item[1]))
 
     def disarm(self) -> None:
         """Stop tracking frees: drops every weakref so no callback outlives the window."""

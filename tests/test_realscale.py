@@ -1,0 +1,30 @@
+"""Korthikanti et al. 2022's per-layer activation memory and selective-recompute FLOPs,
+reproduced on fake tensors with a GPT-3-style layer (``bench/realscale/gpt3.py``) at a small
+shape: the same arithmetic the committed GPT-3 175B result comes from."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.realscale import gpt3
+
+
+@pytest.mark.slow
+def test_gpt3_layer_bytes_and_selective_flops_match_the_paper():
+    s, b, h, a = 256, 2, 512, 8
+    sbh = s * b * h
+    result = gpt3.measure(s=s, b=b, h=h, a=a)
+    rows = result["rows"]
+    # No recomputation: sbh(34 + 5as/h) with 1-byte dropout masks; what is left over is the
+    # causal mask the layer builds (s² bools) and the two LayerNorms' mean and rstd (s·b each;
+    # bf16 from the CPU kernel, fp32 on CUDA).
+    leftover = rows["none"]["gpu_bytes"] - rows["none"]["paper_bytes"]
+    assert leftover == s * s + 2 * 2 * s * b * 2
+    # Full: only the layer input, 2sbh.
+    assert rows["full"]["measured_bytes"] == rows["full"]["paper_bytes"] == 2 * sbh
+    # Selective (core attention recomputed): the paper's 34sbh less what actplan also does not
+    # hold: both LayerNorm outputs (4sbh, rerun from held inputs), both dropout masks (2sbh,
+    # redrawn from the replayed RNG) and the attention context (2sbh, rebuilt with the core).
+    assert rows["selective"]["measured_bytes"] == (34 - 4 - 2 - 2) * sbh
+    assert result["selective_flop_overhead"] == pytest.approx(4 * s / (24 * h + 4 * s))
+    assert result["selective_flop_overhead"] == pytest.approx(result["paper_selective_flop_overhead"])

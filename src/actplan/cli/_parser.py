@@ -12,6 +12,7 @@ import tempfile
 from pathlib import Path
 
 from actplan.cli._bench import bench
+from actplan.cli._estimate import estimate
 from actplan.cli._inspect import explain, units, verify
 from actplan.cli._plan import plan, profile
 from actplan.config import PRESETS
@@ -49,7 +50,7 @@ class _HelpFormatter(argparse.HelpFormatter):
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="actplan", description=SUMMARY, formatter_class=_HelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_bench, _add_explain, _add_profile, _add_plan, _add_verify, _add_units):
+    for add in (_add_bench, _add_estimate, _add_explain, _add_profile, _add_plan, _add_verify, _add_units):
         add(sub)
     for subparser in sub.choices.values():
         subparser.formatter_class = _HelpFormatter
@@ -95,6 +96,37 @@ def _add_bench(sub) -> None:
     parser.add_argument("--markdown", metavar="PATH", help="write a markdown report")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.set_defaults(run=bench)
+
+
+def _add_estimate(sub) -> None:
+    from actplan.measure import ACCELERATORS
+
+    parser = sub.add_parser(
+        "estimate",
+        help="memory per GPU and estimated step time of each preset at a real shape (fake tensors)",
+    )
+    parser.add_argument("--shape", help="a shipped shape: llama3-8b, llama3-70b, mixtral-8x7b")
+    parser.add_argument(
+        "--model", choices=("dense", "moe"), help="the reference model, with every number below"
+    )
+    for name in ("layers", "hidden", "heads", "kv-heads", "ffn", "vocab"):
+        parser.add_argument(f"--{name}", type=int, help=f"{name.replace('-', ' ')} (overrides the shape's)")
+    for name in ("experts", "top-k", "expert-ffn", "shared-ffn", "first-k-dense"):
+        parser.add_argument(f"--{name}", type=int, help=f"MoE: {name.replace('-', ' ')}")
+    parser.add_argument("--seq", type=int, default=8192, help="tokens per sequence")
+    parser.add_argument("--batch", type=int, default=1, help="sequences per GPU")
+    parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"), help="compute dtype")
+    parser.add_argument(
+        "--gpu", default="h100", choices=sorted(ACCELERATORS), help="accelerator for the time estimate"
+    )
+    parser.add_argument("--fsdp", type=int, default=1, help="FSDP ranks the static memory is sharded over")
+    parser.add_argument(
+        "--presets", default="none,full,attn,matmuls,megatron-selective", help="comma-separated presets"
+    )
+    parser.add_argument("--budget", help="memory per GPU with a unit ('80GiB'): which presets fit")
+    parser.add_argument("--json", metavar="PATH", help="write the estimate as JSON")
+    parser.add_argument("--quiet", action="store_true", help="no progress lines")
+    parser.set_defaults(run=estimate)
 
 
 def _add_explain(sub) -> None:

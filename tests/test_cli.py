@@ -45,9 +45,15 @@ def test_bench_tiny_writes_json_and_markdown(tmp_path, capsys):
     act = {name: row["activation_bytes"] for name, row in rows.items()}
     assert act["full"] < act["matmuls"] < act["none"]
     assert rows["none"]["ratio_to_none"] == 1.0
+    # Deterministic cost figures beside the measured ratio: keeping every matmul recomputes
+    # no FLOP, recomputing whole layers does, and the roofline clock prices both.
+    flops = {name: row["flops"] for name, row in rows.items()}
+    assert flops["matmuls"] == flops["none"] < flops["full"]
+    predicted = {name: row["predicted_ratio"] for name, row in rows.items()}
+    assert predicted["none"] == 1.0 < predicted["matmuls"] < predicted["full"]
     assert result["marker_cost_ns"]["outside_region"] > 0
     assert result["overhead_vs_torch_checkpoint"]["pairs"] == 4
-    assert "| matmuls | yes |" in out_md.read_text()
+    assert "| matmuls | yes |" in out_md.read_text() and "est. ratio on GPU" in out_md.read_text()
 
 
 def test_bench_accepts_config_files(tmp_path):

@@ -12,6 +12,8 @@ from rich.table import Table
 
 from actplan._install.plan import format_indices
 from actplan.evaluate.bench import BenchResult
+from actplan.evaluate.contenders import ROOFLINE_GPU
+from actplan.evaluate.report import recomputed_gflop
 from actplan.sizes import mib
 
 
@@ -19,7 +21,8 @@ def bench_table(result: BenchResult) -> Table:
     table = Table(
         title=f"actplan bench — {result.model} — {result.device}, torch {result.torch_version}",
         caption=f"analytic activation floor {mib(result.floor_bytes)} MiB; "
-        f"{result.warmup} warm-up + {result.repeats} interleaved rounds",
+        f"{result.warmup} warm-up + {result.repeats} interleaved rounds; +GFLOP: FLOPs "
+        f"recomputed per step; est. {ROOFLINE_GPU}: the step priced by a roofline clock (an estimate)",
     )
     for column in (
         "policy",
@@ -32,6 +35,8 @@ def bench_table(result: BenchResult) -> Table:
         "floor MiB",
         "step s",
         "time vs none",
+        "+GFLOP",
+        f"est. {ROOFLINE_GPU}",
     ):
         table.add_column(column, justify="left" if column == "policy" else "right", no_wrap=True)
     expert_parallel = any(r.per_rank_memory for r in result.rows)
@@ -61,6 +66,8 @@ def bench_table(result: BenchResult) -> Table:
             mib(result.floor_bytes),
             f"{r.step_median_s:.3f}",
             f"{r.ratio_to_none:.3f} ± {r.ratio_spread:.3f}",
+            recomputed_gflop(r, none),
+            "-" if r.predicted_ratio is None else f"{r.predicted_ratio:.3f}",
             *per_rank,
         )
     return table

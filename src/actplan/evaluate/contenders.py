@@ -24,6 +24,7 @@ from actplan.config import RecomputeConfig
 from actplan.measure import (
     GradCensus,
     MemoryMeter,
+    RooflineClock,
     StepCapture,
     TimingStats,
     capture_step,
@@ -32,6 +33,9 @@ from actplan.measure import (
     ratio,
 )
 from actplan.models import ModelBundle, train_step
+
+ROOFLINE_GPU = "h100"
+"""The accelerator the bench's predicted ratios are for (``measure.RooflineClock``)."""
 
 
 @dataclass
@@ -61,6 +65,13 @@ class PolicyRow:
     held_by_unit: dict[str, dict[str, int]] | None = None
     # Compiled rows: the largest gradient difference parity allowed (0: bit-identical).
     grad_atol: float = 0.0
+    # The metered step priced by a roofline clock (eager rows; None for compiled ones): FLOPs,
+    # bytes read and written by its ops, and the estimated step time on ``roofline_gpu``
+    # against ``none``'s (offload copies charged at the host link, overlapped with compute).
+    flops: int | None = None
+    bytes_moved: int | None = None
+    predicted_ratio: float | None = None
+    roofline_gpu: str | None = None
 
 
 def checkpoint_every_layer(model: nn.Module, **checkpoint_kwargs: Any) -> None:
@@ -116,6 +127,8 @@ class Contender:
     loss_atol: float = 0.0
     # The bench's own offload rows: their "moved nothing" warning is silenced (see run_bench).
     quiet_offload: bool = False
+    # The metered step's roofline clock (eager rows only; see PolicyRow).
+    clock: RooflineClock | None = None
 
 
 def prepare_contender(
@@ -158,8 +171,14 @@ def _metered_step(contender: Contender, batch: dict[str, torch.Tensor], compiled
     engine = offload_engine(model)
     if engine is not None:
         engine.reset_stats()
-    with MemoryMeter(model, contender.optimizer, run_compiled=compiled) as meter:
+    # A plain dispatch mode would make torch.compile run the eager code: no clock on compiled rows.
+    clock = None if compiled else RooflineClock(ROOFLINE_GPU)
+    with (
+        MemoryMeter(model, contender.optimizer, run_compiled=compiled) as meter,
+        clock if clock is not None else contextlib.nullcontext(),
+    ):
         contender_step(contender, batch, seed=1, meter=meter)
+    contender.clock = clock
     report = meter.report()
     if engine is not None:
         stats = engine.snapshot()
@@ -190,8 +209,28 @@ def time_contenders(
 
 def policy_rows(contenders: list[Contender], timings: dict[str, TimingStats]) -> list[PolicyRow]:
     """One row per contender: parity against the row named ``none``, memory, time ratio."""
-    baseline = next(c for c in contenders if c.name == "none").capture
-    return [_policy_row(contender, baseline, timings) for contender in contenders]
+    none = next(c for c in contenders if c.name == "none")
+    rows = [_policy_row(contender, none.capture, timings) for contender in contenders]
+    none_seconds = predicted_seconds(none)
+    for contender, row in zip(contenders, rows, strict=True):
+        seconds = predicted_seconds(contender)
+        if seconds is not None and none_seconds:
+            row.predicted_ratio = seconds / none_seconds
+    return rows
+
+
+def predicted_seconds(contender: Contender) -> float | None:
+    """The roofline clock's step time for ``contender``: compute, or the host-link copies of an
+    offloading row where they take longer (the engine overlaps them with compute)."""
+    clock = contender.clock
+    if clock is None:
+        return None
+    seconds = clock.seconds
+    if contender.moved is not None:
+        _, offloaded, reloaded = contender.moved
+        link = clock.accelerator.host_link_bytes_per_s
+        seconds = max(seconds, offloaded / link, reloaded / link)
+    return seconds
 
 
 def _policy_row(contender: Contender, baseline: StepCapture, timings: dict[str, TimingStats]) -> PolicyRow:
@@ -222,6 +261,9 @@ def _policy_row(contender: Contender, baseline: StepCapture, timings: dict[str, 
         reloaded_bytes=reloaded,
         held_by_unit=contender.held_by_unit,
         grad_atol=contender.grad_atol,
+        flops=None if contender.clock is None else contender.clock.flops,
+        bytes_moved=None if contender.clock is None else contender.clock.bytes_moved,
+        roofline_gpu=None if contender.clock is None else contender.clock.accelerator.name,
     )
 
 

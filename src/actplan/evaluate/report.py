@@ -45,8 +45,8 @@ def _context(result: BenchResult) -> list[str]:
 def _policy_table(result: BenchResult) -> list[str]:
     lines = [
         "| policy | loss identical | max abs dgrad | grad census | activations @ fwd end (MiB) "
-        "| vs none | peak (MiB) | step median (s) | ratio to none |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| vs none | peak (MiB) | step median (s) | ratio to none | recomputed GFLOP | est. ratio on GPU |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     none = result.row("none")
     for r in result.rows:
@@ -54,9 +54,26 @@ def _policy_table(result: BenchResult) -> list[str]:
         lines.append(
             f"| {r.name} | {'yes' if r.loss_identical else 'NO'} | {r.max_abs_grad_diff:.1e} | "
             f"{'match' if r.census_match else 'MISMATCH'} | {mib(r.activation_bytes)} | {rel:.2f} | "
-            f"{mib(r.peak_bytes)} | {r.step_median_s:.3f} | {r.ratio_to_none:.3f} ± {r.ratio_spread:.3f} |"
+            f"{mib(r.peak_bytes)} | {r.step_median_s:.3f} | {r.ratio_to_none:.3f} ± {r.ratio_spread:.3f} | "
+            f"{recomputed_gflop(r, none)} | {predicted_text(r)} |"
         )
+    lines += [
+        "",
+        "Recomputed GFLOP: the row's step FLOPs minus `none`'s. Est. ratio: the same step priced by "
+        "a roofline clock for the named GPU (FLOPs at its peak, bytes at its HBM bandwidth, offload "
+        "copies at its host link): an estimate, deterministic, beside the CPU-measured ratio.",
+    ]
     return lines
+
+
+def recomputed_gflop(row: PolicyRow, none: PolicyRow | None) -> str:
+    if row.flops is None or none is None or none.flops is None:
+        return "-"
+    return f"{(row.flops - none.flops) / 1e9:.3f}"
+
+
+def predicted_text(row: PolicyRow) -> str:
+    return "-" if row.predicted_ratio is None else f"{row.predicted_ratio:.3f} ({row.roofline_gpu})"
 
 
 def _offload_table(rows: list[PolicyRow]) -> list[str]:

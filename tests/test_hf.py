@@ -401,11 +401,23 @@ def test_cli_verify_passes_on_the_reference_llama(capsys):
     assert "PASS" in capsys.readouterr().out
 
 
+def test_cli_units_name_the_models_own_modules(capsys, monkeypatch):
+    # GPT-2 has LayerNorm and a GELU MLP: its units once read "RMSNorm" and "SwiGLU".
+    from actplan.cli import main
+
+    monkeypatch.setenv("COLUMNS", "250")
+    assert main(["units", "--model", "hf-gpt2", "--size", "tiny"]) == 0
+    rows = {line.split("│")[1].strip(): line for line in capsys.readouterr().out.splitlines() if "│" in line}
+    assert "ln_1 (LayerNorm)" in rows["attn_norm"] and "mlp.c_fc (Conv1D)" in rows["mlp_up"]
+    assert "mlp.act (" in rows["mlp_act"]
+    assert not any("RMSNorm before" in row or "SiLU(gate) * up (2f" in row for row in rows.values())
+
+
 def test_cli_units_and_explain_show_a_derived_layout(capsys, monkeypatch):
     from actplan.cli import main
 
     monkeypatch.setenv("COLUMNS", "250")
-    assert main(["units", "--model", "hf-olmo2"]) == 0
+    assert main(["units", "--model", "hf-olmo2", "--size", "tiny"]) == 0
     out = capsys.readouterr().out
     assert "Hugging Face layouts of 'hf-olmo2'" in out
     row = next(line for line in out.splitlines() if "mlp_post_norm" in line and "derived" in line)

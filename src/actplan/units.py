@@ -46,23 +46,24 @@ class RecomputeUnit(StrEnum):
 # k = experts per token. "Costs" is the memory kept; "saves" the work skipped.
 UNIT_DESCRIPTIONS: dict[RecomputeUnit, str] = {
     RecomputeUnit.ATTN_NORM: (
-        "RMSNorm before attention: its output and statistics (about 2d+1 values). "
-        "Cheap elementwise work; keeping it rarely pays."
+        "The norm before attention (RMSNorm or LayerNorm): its output and statistics (about "
+        "2d+1 values). Cheap elementwise work; keeping it rarely pays."
     ),
     RecomputeUnit.QKV_PROJ: (
         "Query, key and value projections (q+2kv values). Keeping them skips three "
         "GEMMs in backward: the best time saved per byte in most layers."
     ),
     RecomputeUnit.QK_NORM: (
-        "Per-head RMSNorm of queries and keys (Qwen3 style), about q+kv values. Cheap to recompute."
+        "Per-head norm of queries and keys (Qwen3 style), about q+kv values. Cheap to recompute."
     ),
     RecomputeUnit.ROPE: (
         "Rotary position embedding applied to queries and keys (q+kv values). "
         "Elementwise; keep it only when attention itself is recomputed."
     ),
     RecomputeUnit.ATTN_CORE: (
-        "The attention kernel (SDPA/flash) output and its log-sum-exp (q values plus "
-        "one per head). Quadratic in sequence length to recompute; small to keep."
+        "The attention itself: with a fused kernel (SDPA/flash) its output and log-sum-exp (q "
+        "values plus one per head); with eager attention also the s x s scores and "
+        "probabilities. Quadratic in sequence length to recompute."
     ),
     RecomputeUnit.ATTN_PROJ: (
         "Attention output projection (d values). Keeping it skips one GEMM; the "
@@ -72,13 +73,18 @@ UNIT_DESCRIPTIONS: dict[RecomputeUnit, str] = {
         "Norm applied to the attention output before the residual add (Gemma 2/3 and OLMo 2 "
         "post-norms), about 2d+1 values. Cheap elementwise work; keeping it rarely pays."
     ),
-    RecomputeUnit.MLP_NORM: ("RMSNorm before the MLP (about 2d+1 values). Cheap elementwise work."),
-    RecomputeUnit.MLP_UP: (
-        "Gate and up projections of the SwiGLU MLP (2f values). The largest GEMMs of "
-        "a dense layer; keeping them saves the most recompute time and costs the "
-        "most memory."
+    RecomputeUnit.MLP_NORM: (
+        "The norm before the MLP (RMSNorm or LayerNorm), about 2d+1 values. Cheap elementwise work."
     ),
-    RecomputeUnit.MLP_ACT: ("SiLU(gate) * up (2f values). Elementwise; the input of the down projection."),
+    RecomputeUnit.MLP_UP: (
+        "The MLP's input projections: up, plus gate in a gated MLP such as SwiGLU (f or 2f "
+        "values). The largest GEMMs of a dense layer; keeping them saves the most recompute "
+        "time and costs the most memory."
+    ),
+    RecomputeUnit.MLP_ACT: (
+        "The MLP's activation: SiLU(gate) * up in SwiGLU, GELU(up) in a plain MLP (f values). "
+        "Elementwise; the input of the down projection."
+    ),
     RecomputeUnit.MLP_DOWN: (
         "Down projection output (d values). Backward never needs it, so keeping it "
         "costs memory and saves nothing when recompute stops early."
@@ -95,7 +101,7 @@ UNIT_DESCRIPTIONS: dict[RecomputeUnit, str] = {
         "Tokens permuted (and exchanged across ranks) to their experts (k*d values)."
     ),
     RecomputeUnit.MOE_EXPERTS: ("Grouped expert GEMMs, gate/up and down (k*(2f+d) values)."),
-    RecomputeUnit.MOE_ACT: ("SwiGLU activation inside the experts (k*2f values), elementwise."),
+    RecomputeUnit.MOE_ACT: ("The experts' activation (SwiGLU in most MoE models, k*f values), elementwise."),
     RecomputeUnit.MOE_COMBINE: ("Expert outputs weighted and summed back per token (k*d values)."),
     RecomputeUnit.SHARED_EXPERTS: ("The always-on shared expert MLP (2f+d values)."),
     RecomputeUnit.SPARSE_INDEXER: (

@@ -75,11 +75,17 @@ def units(args: argparse.Namespace, console: Console) -> int:
     table.add_column("unit", no_wrap=True)
     if args.model:
         table.add_column("declared by", no_wrap=True)
+    # A Hugging Face model's units are module spans: name the modules, so the text is its own.
+    modules = hf.unit_modules(model) if model is not None and hf.contains_transformers(model) else {}
+    if modules:
+        table.add_column("in this model")
     table.add_column("what it is; what keeping it costs and saves")
     for unit in RecomputeUnit:
         if args.model and unit not in declared:
             continue
         row = [unit.value, ", ".join(declared[unit])] if args.model else [unit.value]
+        if modules:
+            row.append(modules.get(unit, "-"))
         table.add_row(*row, UNIT_DESCRIPTIONS[unit])
     console.print(table)
     if model is not None and hf.contains_transformers(model):

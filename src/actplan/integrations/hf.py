@@ -392,6 +392,26 @@ def layout_rows(model: nn.Module, layouts: Layouts | None = None) -> list[tuple[
     return rows
 
 
+def unit_modules(model: nn.Module, layouts: Layouts | None = None) -> dict[RecomputeUnit, str]:
+    """Per unit, the modules it spans in ``model``'s decoder layers with their classes
+    (``ln_1 (LayerNorm)``, ``mlp.act (NewGELUActivation)``): what the unit is in this model."""
+    found: dict[RecomputeUnit, list[str]] = {}
+    for layer in find_decoder_layers(model, layouts):
+        if layer.interval_map is None:
+            continue
+        for unit, intervals in layer.interval_map.items():
+            names = found.setdefault(unit, [])
+            for interval in intervals:
+                path = _format_interval(interval)
+                if path.startswith("["):
+                    text = path  # a span between two points, not one module
+                else:
+                    text = f"{path} ({type(layer.module.get_submodule(path)).__name__})"
+                if text not in names:
+                    names.append(text)
+    return {unit: ", ".join(names) for unit, names in found.items()}
+
+
 def _format_interval(interval: MarkerInterval) -> str:
     start_path, _, start_kind = interval.start.rpartition(":")
     end_path, _, end_kind = interval.end.rpartition(":")

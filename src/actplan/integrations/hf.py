@@ -395,20 +395,13 @@ def layout_rows(model: nn.Module, layouts: Layouts | None = None) -> list[tuple[
 def unit_modules(model: nn.Module, layouts: Layouts | None = None) -> dict[RecomputeUnit, str]:
     """Per unit, the modules it spans in ``model``'s decoder layers with their classes
     (``ln_1 (LayerNorm)``, ``mlp.act (NewGELUActivation)``): what the unit is in this model."""
-    found: dict[RecomputeUnit, list[str]] = {}
+    found: dict[RecomputeUnit, dict[str, None]] = {}
     for layer in find_decoder_layers(model, layouts):
-        if layer.interval_map is None:
-            continue
-        for unit, intervals in layer.interval_map.items():
-            names = found.setdefault(unit, [])
-            for interval in intervals:
-                path = _format_interval(interval)
-                if path.startswith("["):
-                    text = path  # a span between two points, not one module
-                else:
-                    text = f"{path} ({type(layer.module.get_submodule(path)).__name__})"
-                if text not in names:
-                    names.append(text)
+        for unit, intervals in (layer.interval_map or {}).items():
+            for path in map(_format_interval, intervals):
+                # "[a, b)" is a span between two points, not one module.
+                kind = "" if path.startswith("[") else f" ({type(layer.module.get_submodule(path)).__name__})"
+                found.setdefault(unit, {})[path + kind] = None
     return {unit: ", ".join(names) for unit, names in found.items()}
 
 

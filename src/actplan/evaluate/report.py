@@ -43,26 +43,31 @@ def _context(result: BenchResult) -> list[str]:
 
 
 def _policy_table(result: BenchResult) -> list[str]:
+    # Results from before the roofline columns existed render as they did.
+    priced = any(r.flops is not None for r in result.rows)
+    extra_head, extra_rule = (" recomputed GFLOP | est. ratio on GPU |", "---|---|") if priced else ("", "")
     lines = [
         "| policy | loss identical | max abs dgrad | grad census | activations @ fwd end (MiB) "
-        "| vs none | peak (MiB) | step median (s) | ratio to none | recomputed GFLOP | est. ratio on GPU |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| vs none | peak (MiB) | step median (s) | ratio to none |" + extra_head,
+        "|---|---|---|---|---|---|---|---|---|" + extra_rule,
     ]
     none = result.row("none")
     for r in result.rows:
         rel = r.activation_bytes / none.activation_bytes if none else float("nan")
+        extra = f" {recomputed_gflop(r, none)} | {predicted_text(r)} |" if priced else ""
         lines.append(
             f"| {r.name} | {'yes' if r.loss_identical else 'NO'} | {r.max_abs_grad_diff:.1e} | "
             f"{'match' if r.census_match else 'MISMATCH'} | {mib(r.activation_bytes)} | {rel:.2f} | "
-            f"{mib(r.peak_bytes)} | {r.step_median_s:.3f} | {r.ratio_to_none:.3f} ± {r.ratio_spread:.3f} | "
-            f"{recomputed_gflop(r, none)} | {predicted_text(r)} |"
+            f"{mib(r.peak_bytes)} | {r.step_median_s:.3f} | {r.ratio_to_none:.3f} ± {r.ratio_spread:.3f} |"
+            + extra
         )
-    lines += [
-        "",
-        "Recomputed GFLOP: the row's step FLOPs minus `none`'s. Est. ratio: the same step priced by "
-        "a roofline clock for the named GPU (FLOPs at its peak, bytes at its HBM bandwidth, offload "
-        "copies at its host link): an estimate, deterministic, beside the CPU-measured ratio.",
-    ]
+    if priced:
+        lines += [
+            "",
+            "Recomputed GFLOP: the row's step FLOPs minus `none`'s. Est. ratio: the same step priced by "
+            "a roofline clock for the named GPU (FLOPs at its peak, bytes at its HBM bandwidth, offload "
+            "copies at its host link): an estimate, deterministic, beside the CPU-measured ratio.",
+        ]
     return lines
 
 

@@ -143,7 +143,8 @@ class FakeRun:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        assert self.mode is not None and self._routing_mode is not None
+        if self.mode is None or self._routing_mode is None:
+            raise RuntimeError("FakeRun exited without being entered")
         self._routing_mode.__exit__(*exc)
         self.mode.__exit__(*exc)
         self._routing_mode = None

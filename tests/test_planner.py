@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 import itertools
+import random
 import subprocess
 import sys
+from dataclasses import replace
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from actplan.planning import _frontier, _milp
+from actplan.planning import _bounds, _frontier, _milp
 from actplan.planning.planner import (
     BudgetError,
     Candidate,
     PlanProblem,
+    Solution,
     brute_force,
     front_table,
     minimum_peak,
@@ -60,6 +64,16 @@ def problems(draw):
     return _costs_around(draw, tuple(layers), tuple(draw(mib) for _ in layers))
 
 
+def _solved_both_ways(problem: PlanProblem, budget: float) -> tuple[Solution, Solution]:
+    """``solve``, and ``solve`` with a one-state beam: small problems are often answered by the
+    beam pass alone (exact when it never thins), this leaves them to the walks from both ends
+    and their rising targets."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_frontier, "THIN", 1)
+        walked = solve(problem, budget)
+    return solve(problem, budget), walked
+
+
 @settings(max_examples=80, deadline=None)
 @given(problem=problems(), slack=st.floats(0.0, 1.5))
 def test_solver_matches_brute_force(problem, slack):
@@ -67,9 +81,9 @@ def test_solver_matches_brute_force(problem, slack):
     budget = lowest * (1 + slack)
     expected = brute_force(problem, budget)
     assert expected is not None  # the minimum itself always fits
-    solution = solve(problem, budget)
-    assert solution.predicted_seconds == pytest.approx(expected[0], abs=1e-9)
-    assert solution.predicted_peak_bytes <= budget * (1 + 1e-6) + 1
+    for solution in _solved_both_ways(problem, budget):
+        assert solution.predicted_seconds == pytest.approx(expected[0], abs=1e-9)
+        assert solution.predicted_peak_bytes <= budget * (1 + 1e-6) + 1
 
 
 @settings(max_examples=40, deadline=None)
@@ -103,10 +117,131 @@ def test_frontier_solver_matches_the_milp_optimum(problem, slack):
     assert lowest == pytest.approx(problem.peak(_milp.milp(problem, None)), rel=1e-9)
     budget = lowest * (1 + slack)
     milp = _milp.milp(problem, budget * (1 + 1e-9) + 1)
-    solution = solve(problem, budget)
     assert milp is not None
-    assert solution.predicted_seconds == pytest.approx(problem.seconds(milp), abs=1e-9)
-    assert solution.predicted_peak_bytes <= budget * (1 + 1e-6) + 1
+    for solution in _solved_both_ways(problem, budget):
+        assert solution.predicted_seconds == pytest.approx(problem.seconds(milp), abs=1e-9)
+        assert solution.predicted_peak_bytes <= budget * (1 + 1e-6) + 1
+
+
+@st.composite
+def jittered_stacks(draw):
+    """Stacks of a few layer types with every layer's costs drawn within 0.5% of its type's, as
+    a profile taken per layer gives: no two layers alike, so partial plans almost never tie."""
+    types = draw(st.lists(st.lists(candidates, min_size=2, max_size=7).map(tuple), min_size=1, max_size=3))
+    count = draw(st.integers(4, 24))
+    order = draw(st.lists(st.integers(0, len(types) - 1), min_size=count, max_size=count))
+    rng = random.Random(draw(st.integers(0, 2**32 - 1)))
+
+    def near(value: float) -> float:
+        return value * (1 + rng.uniform(-0.005, 0.005))
+
+    layers = tuple(
+        tuple(
+            replace(
+                c,
+                retained_bytes=near(c.retained_bytes),
+                transient_bytes=near(c.transient_bytes),
+                extra_seconds=near(c.extra_seconds),
+                offloaded_bytes=near(c.offloaded_bytes),
+            )
+            for c in types[t]
+        )
+        for t in order
+    )
+    grads = tuple(near(draw(st.integers(1, 20)) * MIB) for _ in order)
+    return replace(
+        _costs_around(draw, layers, grads), layer_extra_bytes=tuple(near(draw(mib) + MIB) for _ in order)
+    )
+
+
+@settings(max_examples=60, deadline=None)
+@given(problem=jittered_stacks(), slack=st.floats(0.0, 1.0))
+def test_jittered_layers_get_the_milp_optimum(problem, slack):
+    lowest, _ = minimum_peak(problem)
+    assert lowest == pytest.approx(problem.peak(_milp.milp(problem, None)), rel=1e-9)
+    budget = lowest * (1 + slack)
+    milp = _milp.milp(problem, budget * (1 + 1e-9) + 1)
+    assert milp is not None
+    for solution in _solved_both_ways(problem, budget):
+        assert solution.predicted_seconds == pytest.approx(problem.seconds(milp), abs=1e-9)
+        assert solution.predicted_peak_bytes <= budget * (1 + 1e-6) + 1
+
+
+def _room_before(problem: PlanProblem, budget: float, first: int, tail: tuple[int, ...]) -> float:
+    """The most bytes layers ``0..first-1`` may retain under ``tail`` (the choices of layers
+    ``first..``): every phase from ``first`` on, and backward start, with reloads from before
+    ``first`` taken as none."""
+    picked = [problem.layers[first + k][c] for k, c in enumerate(tail)]
+    fixed = problem.static_bytes + problem.backward_extra_bytes + problem.other_grad_bytes
+    after, extras = problem.grads_after(), problem.extras()
+    start = problem.static_bytes + problem.backward_extra_bytes + problem.nonlayer_bytes
+    room = budget - start - problem.head_transient_bytes - sum(p.retained_bytes for p in picked)
+    held = 0.0
+    for k, p in enumerate(picked):
+        held += p.retained_bytes
+        reloaded = sum(q.offloaded_bytes for q in picked[max(k - problem.prefetch_layers, 0) : k])
+        phase = fixed + after[first + k] + extras[first + k] + held + p.transient_bytes + reloaded
+        room = min(room, budget - phase)
+    return room
+
+
+@settings(max_examples=80, deadline=None)
+@given(problem=problems(), slack=st.floats(0.0, 1.5))
+def test_the_bounds_never_exceed_what_the_rest_really_costs(problem, slack):
+    """What the walks prune with, against brute force: for every prefix of every plan that fits,
+    the seconds bound on the layers after it is at most the fastest fitting way to finish it and
+    its bytes are under the completion cap; for every suffix, the bound on the layers before it
+    (at the bytes it leaves them) is at most the fastest fitting way to start it; the bound on
+    the whole plan is at most the optimum."""
+    lowest, _ = minimum_peak(problem)
+    budget = lowest * (1 + slack)
+    bounds = _bounds.Bounds(_bounds.Costs(problem), budget)
+    fitting = [
+        c for c in itertools.product(*(range(len(cs)) for cs in problem.layers)) if problem.peak(c) <= budget
+    ]
+    layers = len(problem.layers)
+    seconds = [[problem.layers[i][c].extra_seconds for i, c in enumerate(plan)] for plan in fitting]
+    assert bounds.lowest <= min(sum(s) for s in seconds) + 1e-10
+    rest: dict[tuple[int, ...], float] = {}
+    head: dict[tuple[int, ...], float] = {}
+    for plan, plan_seconds in zip(fitting, seconds, strict=True):
+        for i in range(layers):
+            rest[plan[: i + 1]] = min(rest.get(plan[: i + 1], np.inf), sum(plan_seconds[i + 1 :]))
+            head[plan[i:]] = min(head.get(plan[i:], np.inf), sum(plan_seconds[:i]))
+    for prefix, least in rest.items():
+        i = len(prefix) - 1
+        held = sum(problem.layers[k][c].retained_bytes for k, c in enumerate(prefix))
+        assert held <= bounds.cap[i]
+        assert bounds.after(i, np.array([held]))[0] <= least + 1e-10
+    for suffix, least in head.items():
+        first = layers - len(suffix)
+        room = _room_before(problem, budget, first, suffix)
+        assert bounds.before(first, np.array([room]))[0] <= least + 1e-10
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    states=st.lists(
+        st.tuples(st.integers(0, 3), st.integers(0, 3), st.integers(0, 5), st.integers(0, 5)), max_size=40
+    )
+)
+def test_dominance_keeps_exactly_the_undominated_states(states):
+    """A state goes when another with no larger keys, bytes and score exists (one of identical
+    states stays): against all pairs."""
+    keys = np.array([s[:2] for s in states], dtype=float).reshape(-1, 2)
+    worse = np.array([s[2] for s in states], dtype=float)
+    score = np.array([s[3] for s in states], dtype=float)
+    kept, _ = _frontier._pareto(keys, worse, score)
+
+    def beats(a: int, b: int) -> bool:
+        return all(x <= y for x, y in zip(states[a], states[b], strict=True))
+
+    expected = [
+        b
+        for b in range(len(states))
+        if not any(beats(a, b) and (states[a] != states[b] or a < b) for a in range(len(states)) if a != b)
+    ]
+    assert sorted(states[i] for i in kept) == sorted(states[i] for i in expected)
 
 
 def test_a_frontier_past_its_limit_falls_back_to_the_milp(monkeypatch):
@@ -116,7 +251,7 @@ def test_a_frontier_past_its_limit_falls_back_to_the_milp(monkeypatch):
     exact = solve(problem, budget)
     monkeypatch.setattr(_frontier, "FRONTIER_LIMIT", 2)
     with pytest.raises(_frontier._FrontierTooLarge):
-        _frontier.frontier(_frontier.reduced(problem)[0], budget)
+        _frontier.search(_frontier.reduced(problem)[0], budget)
     assert solve(problem, budget).predicted_seconds == pytest.approx(exact.predicted_seconds, abs=1e-12)
 
 

@@ -12,11 +12,16 @@
    measured peak (goal within 1%) and step-time ratio to ``none`` (goal within 10% on
    dense), and whether it beats every fixed row whose measured peak fits its budget.
 3. Solve time against layers: each model's measured candidates repeated to 16..512 layers,
-   a mixed stack of every profiled layer type, and random 32-candidate layers, each solved
-   at five budgets. Goals: under 1 s at 128 layers, under 5 s at 512.
+   a mixed stack of every profiled layer type, random 32-candidate layers, and three layer
+   types of 24 candidates with every layer's costs jittered by up to 0.5% (as a profile
+   taken per layer is: no two layers alike), each solved at five budgets. Goals: under 1 s at
+   128 layers, under 5 s at 512; the jittered stack under 1 s at 128 layers.
+
+    python -m bench.planner --solve-time-only   # part 3 alone, on the cached profiles
 
 Writes ``bench/results/planner_<model>_<size>.{json,md,png}`` (per model),
-``planner_predictions.{json,md}`` and ``planner_solve_time.{json,md,png}``.
+``planner_predictions.{json,md}`` and ``planner_solve_time.{json,md,png}`` (with
+``--solve-time-only``, only the last).
 """
 
 from __future__ import annotations
@@ -44,6 +49,8 @@ from actplan.planning.plot import write_pareto_plot
 from actplan.planning.profile import ModelProfile
 
 SHARES = (0.0, 0.2, 0.4, 0.6, 0.8)  # of the way from the least peak to the no-checkpoint peak
+SOLVE_GOALS = ((128, 1.0), (512, 5.0))  # (layers, seconds): every model's stacks
+JITTERED_GOAL = (128, 1.0)
 PROFILE_GOALS = {("dense", "small"): 20.0, ("moe", "small"): 60.0}
 PEAK_GOAL, TIME_GOAL = 0.01, 0.10
 
@@ -107,6 +114,100 @@ def random_problem(layers: int, candidates: int = 32, seed: int = 0) -> PlanProb
     )
 
 
+def jittered_problem(
+    layers: int, types: int = 3, candidates: int = 24, jitter: float = 0.005, seed: int = 0
+) -> PlanProblem:
+    """``types`` layer types in contiguous blocks, each with ``candidates`` candidates shaped as
+    a profile's are (kept sets along a chain from ``full`` to ``none``, a few others, and the
+    offloaded variants of checkpointed ones), then every layer's costs, gradient bytes and
+    calibration term drawn on their own within ``jitter`` of its type's: no two layers alike,
+    as when the profile is taken per layer."""
+    rng = random.Random(seed)
+    kinds = [_layer_type(rng, candidates) for _ in range(types)]
+    grads = [rng.uniform(4, 16) * 2**20 for _ in range(types)]
+    block = -(-layers // types)
+
+    def near(value: float) -> float:
+        return value * (1 + rng.uniform(-jitter, jitter))
+
+    kind_of = [min(i // block, types - 1) for i in range(layers)]
+    return PlanProblem(
+        layers=tuple(
+            tuple(
+                Candidate(
+                    c.name,
+                    near(c.retained_bytes),
+                    near(c.transient_bytes),
+                    near(c.extra_seconds),
+                    near(c.offloaded_bytes),
+                )
+                for c in kinds[kind]
+            )
+            for kind in kind_of
+        ),
+        static_bytes=2 * 2**30,
+        base_seconds=layers * 5e-3,
+        nonlayer_bytes=64 * 2**20,
+        layer_grad_bytes=tuple(near(grads[kind]) for kind in kind_of),
+        other_grad_bytes=32 * 2**20,
+        optimizer_step_bytes=32 * 2**20,
+        backward_extra_bytes=8 * 2**20,
+        head_transient_bytes=96 * 2**20,
+        prefetch_layers=1,
+        layer_extra_bytes=tuple(rng.uniform(0, 0.5) * 2**20 for _ in kind_of),
+    )
+
+
+def _kept_name(kept: frozenset[int], units: int) -> str:
+    if not kept:
+        return "full"
+    return "none" if len(kept) == units else "keep " + "+".join(f"u{u}" for u in sorted(kept))
+
+
+def _layer_type(rng: random.Random, candidates: int, units: int = 10) -> tuple[Candidate, ...]:
+    """One layer type's candidates: ``units`` units with their own activation bytes and replay
+    seconds; kept sets along the chain of best seconds per byte (``full`` .. ``none``) and random
+    others, half the candidates; the offloaded variants of checkpointed sets, the rest."""
+    mib = 2**20
+    saved = [rng.uniform(0.5, 8) * mib for _ in range(units)]
+    replay = [rng.uniform(0.05, 1.0) * 1e-3 for _ in range(units)]
+    layer_seconds = 3 * sum(replay)
+    layer_input, working = rng.uniform(0.5, 2) * mib, rng.uniform(2, 8) * mib
+    chain = sorted(range(units), key=lambda u: -replay[u] / saved[u])
+    kept_sets = [frozenset(chain[:k]) for k in range(units + 1)]
+    while len(kept_sets) < candidates // 2 + 1:
+        extra = frozenset(u for u in range(units) if rng.random() < 0.5)
+        if extra not in kept_sets:
+            kept_sets.append(extra)
+    out = []
+    for kept in kept_sets:
+        kept_bytes = sum(saved[u] for u in kept)
+        checkpointed = len(kept) < units
+        overhead = 0.02 * layer_seconds if checkpointed else 0.0
+        out.append(
+            Candidate(
+                _kept_name(kept, units),
+                layer_input + kept_bytes,
+                working + sum(saved) - kept_bytes,
+                sum(replay[u] for u in range(units) if u not in kept) + overhead,
+            )
+        )
+    bandwidth = 10e9
+    for c in [c for c in out if c.name != "none"][: candidates - len(out)]:
+        copy = c.retained_bytes / bandwidth
+        exposed = max(copy - layer_seconds / 3, 0) + max(copy - 2 * layer_seconds / 3, 0)
+        out.append(
+            Candidate(
+                c.name + "+offload",
+                0.01 * mib,
+                c.transient_bytes + layer_input,
+                c.extra_seconds + exposed + 1e-5,
+                c.retained_bytes,
+            )
+        )
+    return tuple(out)
+
+
 def time_solves(problem: PlanProblem) -> dict[str, float]:
     """Seconds to solve at five budgets spread over the feasible range."""
     lowest, _ = minimum_peak(problem)
@@ -129,6 +230,7 @@ def solve_time_curve(problems: dict[str, PlanProblem], layer_counts: list[int]) 
     if len(problems) > 1:
         builders["mixed"] = lambda n: mixed(list(problems.values()), n)
     builders["random-32"] = random_problem
+    builders["jittered"] = jittered_problem
     for name, build in builders.items():
         rows = []
         for layers in layer_counts:
@@ -142,9 +244,9 @@ def solve_time_curve(problems: dict[str, PlanProblem], layer_counts: list[int]) 
             )
             print(f"  solve {name} x {layers}: {rows[-1]['max']:.3f} s", file=sys.stderr, flush=True)
         stacks[name] = rows
-    real = [r for name, rows in stacks.items() if name != "random-32" for r in rows]
+    real = [r for name, rows in stacks.items() if name not in ("random-32", "jittered") for r in rows]
     goals = []
-    for layers, limit in ((128, 1.0), (512, 5.0)):
+    for layers, limit in SOLVE_GOALS:
         at = [r["max"] for r in real if r["layers"] == layers]
         if at:
             goals.append(
@@ -154,6 +256,17 @@ def solve_time_curve(problems: dict[str, PlanProblem], layer_counts: list[int]) 
                     "met": max(at) < limit,
                 }
             )
+    layers, limit = JITTERED_GOAL
+    at = [r["max"] for r in stacks["jittered"] if r["layers"] == layers]
+    if at:
+        goals.append(
+            {
+                "goal": f"solve under {limit:g} s at {layers} layers, 3 layer types x 24 candidates "
+                "jittered 0.5% per layer",
+                "worst_seconds": max(at),
+                "met": max(at) < limit,
+            }
+        )
     return {"stacks": stacks, "goals": goals}
 
 
@@ -164,7 +277,8 @@ def solve_time_markdown(curve: dict[str, Any], command: str) -> str:
         "",
         f"- command: `{command}`; torch {torch.__version__}, CPU; the slowest of five budgets per cell",
         "- each model's measured candidates repeated to the layer count; `mixed`: every profiled layer type "
-        "in contiguous blocks; `random-32`: 32 random candidates per layer (no structure)",
+        "in contiguous blocks; `random-32`: 32 random candidates per layer (no structure); `jittered`: "
+        "3 layer types of 24 candidates, every layer's costs drawn within 0.5% of its type's (no two alike)",
         "",
         "| candidates of | " + " | ".join(f"{n} layers" for n in counts) + " |",
         "|---|" + "---|" * len(counts),
@@ -408,6 +522,24 @@ def prediction_goals(models: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return goals
 
 
+def cached_problem(name: str, size: str, cache_dir: Path | None) -> PlanProblem:
+    """The model's plan problem from its cached profile (profiled, and cached, when missing)."""
+    profile, _ = get_profile(load_model(name, size), name, torch.device("cpu"), cache_dir=cache_dir)
+    return profile.problem()
+
+
+def write_solve_time(
+    problems: dict[str, PlanProblem], layer_counts: list[int], results: Path, command: str
+) -> None:
+    """Part 3: the solve-time curve, written as ``planner_solve_time.{json,md,png}``."""
+    print("solve time against layers ...", file=sys.stderr, flush=True)
+    curve = solve_time_curve(problems, layer_counts)
+    (results / "planner_solve_time.json").write_text(json.dumps(curve, indent=2) + "\n")
+    (results / "planner_solve_time.md").write_text(solve_time_markdown(curve, command))
+    solve_time_plot(curve, results / "planner_solve_time.png")
+    print(solve_time_markdown(curve, command))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="dense,moe,mtp,sparse,hf-llama")
@@ -418,6 +550,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--cache-dir", help="profile cache (default ~/.cache/actplan/profiles)")
     parser.add_argument("--out", default="bench/results", help="where the results go")
+    parser.add_argument(
+        "--solve-time-only",
+        action="store_true",
+        help="only the solve-time curve, on the cached profiles (profiling those missing; no bench runs)",
+    )
     args = parser.parse_args(argv)
     results = Path(args.out)
     results.mkdir(parents=True, exist_ok=True)
@@ -425,9 +562,14 @@ def main(argv: list[str] | None = None) -> int:
     command = (
         "python -m bench.planner" + (" " + " ".join(argv if argv is not None else sys.argv[1:])).rstrip()
     )
+    cache = Path(args.cache_dir) if args.cache_dir else None
+    names = [m.strip() for m in args.models.split(",") if m.strip()]
+    if args.solve_time_only:
+        problems = {name: cached_problem(name, args.size, cache) for name in names}
+        write_solve_time(problems, layer_counts, results, command)
+        return 0
     models, problems = [], {}
-    for name in [m.strip() for m in args.models.split(",") if m.strip()]:
-        cache = Path(args.cache_dir) if args.cache_dir else None
+    for name in names:
         out, profile = run_model(name, args.size, args.repeats, cache, results)
         (results / f"planner_{name}_{args.size}.json").write_text(json.dumps(out, indent=2) + "\n")
         report = model_markdown(out)
@@ -440,12 +582,7 @@ def main(argv: list[str] | None = None) -> int:
     report = predictions_markdown(models, command)
     (results / "planner_predictions.md").write_text(report)
     print(report)
-    print("solve time against layers ...", file=sys.stderr, flush=True)
-    curve = solve_time_curve(problems, layer_counts)
-    (results / "planner_solve_time.json").write_text(json.dumps(curve, indent=2) + "\n")
-    (results / "planner_solve_time.md").write_text(solve_time_markdown(curve, command))
-    solve_time_plot(curve, results / "planner_solve_time.png")
-    print(solve_time_markdown(curve, command))
+    write_solve_time(problems, layer_counts, results, command)
     return 0 if all(p["parity_ok"] for out in models for p in out["plans"]) else 1
 
 

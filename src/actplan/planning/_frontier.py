@@ -1,27 +1,33 @@
-"""The planner's exact solver: a dynamic program over Pareto frontiers of partial plans, with
-LP bounds on the layers still to come and a beam pass that finds a first plan to beat.
+"""The planner's exact solver: dynamic programs over Pareto frontiers of partial plans, walked
+from both ends of the stack and joined where they meet, pruned by lower bounds on the layers
+still to come (``_bounds``) and by a target time that rises until a plan meets it.
 
-Private to ``actplan.planning.planner``, which holds the problem types (imported here for
-annotations only). Imports numpy and the standard library.
+Private to ``actplan.planning.planner``. Imports numpy, the bounds and the problem records.
 """
 
 from __future__ import annotations
 
 import functools
-import itertools
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from actplan.planning._bounds import Bounds, Costs
+
 if TYPE_CHECKING:
-    from actplan.planning.planner import Candidate, PlanProblem
+    from actplan.planning._records import Candidate, PlanProblem
 
 # The frontier solver gives up (and the MILP answers) past this many states in one layer.
 FRONTIER_LIMIT = 400_000
-# States per tail the beam pass keeps: it finds a plan that fits fast, whose time bounds
-# the exact pass.
-THIN = 16
+# States the beam pass keeps besides each tail's least-bytes one: it finds a plan that fits,
+# the first one to beat.
+THIN = 64
+# Key groups whose states are tried against every other group's (dominance across tails).
+BEATERS = 32
+# The first target sits this share of the way from the lower bound to the beam's plan; each
+# target that no plan meets is followed by one RISE times as far (three walks at most).
+FIRST_TARGET, RISE = 1 / 16, 4.0
 
 
 class _FrontierTooLarge(Exception):
@@ -54,233 +60,311 @@ def reduced(problem: PlanProblem) -> tuple[PlanProblem, list[tuple[int, ...]]]:
     return smaller, keep
 
 
-def _lower_hull(candidates: tuple[Candidate, ...]) -> list[tuple[float, float]]:
-    """The lower-left convex hull of a layer's (retained bytes, extra seconds) points."""
-    points = sorted({(c.retained_bytes, c.extra_seconds) for c in candidates})
-    hull: list[tuple[float, float]] = []
-    for x, y in points:
-        if hull and y >= hull[-1][1]:
-            continue  # more bytes for no less time: never on the lower-left hull
-        while len(hull) >= 2 and (
-            (hull[-1][0] - hull[-2][0]) * (y - hull[-2][1]) <= (hull[-1][1] - hull[-2][1]) * (x - hull[-2][0])
-        ):
-            hull.pop()
-        hull.append((x, y))
-    return hull
+def _pareto(keys: np.ndarray, worse: np.ndarray, score: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The states no other state dominates: none with no larger ``keys`` in every column, no
+    larger ``worse`` and no larger ``score`` (of identical states one is kept). Returns their
+    indices, ordered by key group (equal keys) and then ``worse``, and each one's group number."""
+    if not len(score):
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    order = np.lexsort((score, worse, *keys.T[::-1]))
+    if keys.shape[1]:
+        ordered = keys[order]
+        group = np.cumsum(np.concatenate(([0], (ordered[1:] != ordered[:-1]).any(axis=1))))
+    else:
+        group = np.zeros(len(order), dtype=np.int64)
+    # Per group a staircase: each state faster than every one of the group with fewer bytes.
+    # Dense ranks of the scores are exact; shifting each group's below every earlier group's
+    # lets one running minimum over the whole array restart at every group.
+    rank = score[order]
+    if group[-1] > 0:
+        by_score = np.argsort(rank, kind="stable")
+        dense = np.cumsum(np.concatenate(([0], np.diff(rank[by_score]) != 0)))
+        rank = np.empty(len(order), dtype=np.int64)
+        rank[by_score] = dense - group[by_score] * (len(order) + 1)
+    kept = np.concatenate(([True], rank[1:] < np.minimum.accumulate(rank)[:-1]))
+    order, group = order[kept], group[kept]
+    if group[-1] > 0:
+        starts, ends = _runs(group)
+        beaten = _beaten_across(keys[order[starts]], group, starts, ends, worse[order], score[order])
+        order, group = order[~beaten], group[~beaten]
+    return order, group
 
 
-@functools.lru_cache(maxsize=8)
-def suffix_bounds(layers: tuple[tuple[Candidate, ...], ...]) -> list[tuple[float, np.ndarray, np.ndarray]]:
-    """Per layer ``i``, a lower bound on the extra seconds of layers ``i..`` as a function of
-    the retained bytes they may add: the LP relaxation of that multiple-choice knapsack
-    (each layer on the lower convex hull of its (retained, seconds) points, the hull's
-    segments taken steepest first). Returned as ``(least retained, bytes, seconds)``: the
-    bound at capacity ``c`` is ``interp(c - least, bytes, seconds)``, infinite below ``least``.
-    Index ``len(layers)`` is the empty suffix."""
-    hulls = [_lower_hull(candidates) for candidates in layers]
-    out: list[tuple[float, np.ndarray, np.ndarray]] = [(0.0, np.zeros(1), np.zeros(1))]
-    least = seconds = 0.0
-    widths: list[float] = []
-    drops: list[float] = []
-    for hull in reversed(hulls):
-        least += hull[0][0]
-        seconds += hull[0][1]
-        for (x0, y0), (x1, y1) in itertools.pairwise(hull):
-            widths.append(x1 - x0)
-            drops.append(y0 - y1)
-        width, drop = np.array(widths), np.array(drops)
-        order = np.argsort(-drop / np.maximum(width, 1e-300), kind="stable")
-        out.append((least, np.r_[0.0, np.cumsum(width[order])], seconds - np.r_[0.0, np.cumsum(drop[order])]))
-    out.reverse()
-    return out
+def _runs(group: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Where each run of equal values of the sorted ``group`` starts and ends."""
+    starts = np.flatnonzero(np.concatenate(([True], group[1:] != group[:-1])))
+    return starts, np.append(starts[1:], len(group))
 
 
-class _Walk:
-    """The states of ``frontier`` as it walks the layers: per state its prefix of retained
-    bytes, its objective and its tail id; per layer each state's parent and candidate."""
+def _beaten_across(
+    group_keys: np.ndarray,
+    group: np.ndarray,
+    starts: np.ndarray,
+    ends: np.ndarray,
+    worse: np.ndarray,
+    score: np.ndarray,
+) -> np.ndarray:
+    """Which states a state of another group with no larger keys beats or ties on ``worse`` and
+    ``score`` (each group a staircase: rising ``worse``, falling ``score``). The groups of least
+    key sum are tried as beaters, at most ``BEATERS`` of them (fewer only finds fewer)."""
+    run = np.repeat(np.arange(len(starts)), ends - starts)
+    # below[h, g]: group g's keys are no smaller than h's anywhere.
+    below = (group_keys[:, None, :] <= group_keys[None, :, :]).all(axis=2)
+    np.fill_diagonal(below, False)
+    beaten = np.zeros(len(group), dtype=bool)
+    beaters = [h for h in np.argsort(group_keys.sum(axis=1), kind="stable").tolist() if below[h].any()]
+    for h in beaters[:BEATERS]:
+        target = np.flatnonzero(below[h][run])
+        stair_worse, stair_score = worse[starts[h] : ends[h]], score[starts[h] : ends[h]]
+        at = np.searchsorted(stair_worse, worse[target], side="right") - 1
+        beaten[target] |= (at >= 0) & (stair_score[np.maximum(at, 0)] <= score[target])
+    return beaten
 
-    def __init__(self, problem: PlanProblem, budget: float | None, upper: float) -> None:
-        self.problem = problem
-        self.budget = budget
-        self.upper = upper
-        self.depth = problem.prefetch_layers
-        self.minimise_peak = budget is None
-        self.base = problem.static_bytes + problem.backward_extra_bytes
-        self.after = [a + e for a, e in zip(problem.grads_after(), problem.extras(), strict=True)]
-        self.start_phase = self.base + problem.nonlayer_bytes + problem.head_transient_bytes
-        self.cap_start = np.inf if self.minimise_peak else budget - self.start_phase  # the bound on S_last
-        # With no negative retained bytes S only grows, so every S_i is held to that bound too.
-        self.growing = all(c.retained_bytes >= 0 for cs in problem.layers for c in cs)
-        self.bounds = suffix_bounds(problem.layers) if self.growing and not self.minimise_peak else None
-        self.slack = 1e-9 * max(abs(upper), 1.0) if np.isfinite(upper) else 0.0
+
+class _Forward:
+    """Partial plans of layers ``0..last``, as the forward walk keeps them: per state the retained
+    bytes ``prefix``, the objective ``score`` (seconds, or with no budget the largest phase so far)
+    and ``keys``, the offloaded bytes of its last 1..depth layers summed (``keys[:, m-1]``: the
+    last ``m``), which is all later phases see of its tail; per layer each state's parent and pick.
+    """
+
+    def __init__(self, costs: Costs, budget: float | None) -> None:
+        self.costs, self.budget = costs, budget
+        self.last = -1
         self.prefix = np.zeros(1)
-        self.score = np.full(1, -np.inf) if self.minimise_peak else np.zeros(1)
-        self.tail = np.zeros(1, dtype=np.int64)
-        self.tails: dict[tuple[float, ...], int] = {(0.0,) * self.depth: 0}
-        self.tail_list: list[tuple[float, ...]] = [(0.0,) * self.depth]
+        self.score = np.full(1, -np.inf) if budget is None else np.zeros(1)
+        self.keys = np.zeros((1, costs.depth))
+        self.parents: list[np.ndarray] = []
+        self.picks: list[np.ndarray] = []
+        self.thinned = False  # whether ``thin`` ever dropped a state: the walk is exact if not
+
+    def step(self, bounds: Bounds | None, target: float, thin: int | None = None) -> int:
+        """Extend every state by every candidate of the next layer; drop what breaks the budget,
+        what the bound says cannot meet ``target`` and what another state dominates. Returns how
+        many states are left."""
+        costs, i = self.costs, self.last + 1
+        retained, transient, seconds, offloaded = costs.layer(i)
+        k, n = len(retained), len(self.prefix)
+        prefix = (self.prefix[:, None] + retained).ravel()
+        reloaded = np.repeat(self.keys[:, -1], k) if costs.depth else 0.0
+        phase = costs.fixed[i] + prefix + np.tile(transient, n) + reloaded
+        potential = None
+        if self.budget is None:
+            score = np.maximum(np.repeat(self.score, k), phase)
+            kept = np.arange(n * k)
+        else:
+            score = (self.score[:, None] + seconds).ravel()
+            if bounds is None:
+                raise RuntimeError("internal error: a walk under a budget has no bounds; please report it")
+            kept = np.flatnonzero((phase <= self.budget) & (prefix <= bounds.cap[i]))
+            potential = score[kept] + bounds.after(i, prefix[kept])
+            fits = potential <= target
+            kept, potential = kept[fits], potential[fits]
+        keys = np.empty((len(kept), costs.depth))
+        if costs.depth:
+            keys[:, 0] = offloaded[kept % k]
+            keys[:, 1:] = self.keys[kept // k, :-1] + keys[:, :1]
+        survive, group = _pareto(keys, prefix[kept], score[kept])
+        if thin is not None and potential is not None and len(survive) > thin:
+            kept_before = len(survive)
+            survive = _thinned(survive, group, potential, thin)
+            self.thinned |= len(survive) < kept_before
+        chosen = kept[survive]
+        if len(chosen) > FRONTIER_LIMIT:
+            raise _FrontierTooLarge(f"{len(chosen)} states at layer {i}")
+        self.prefix, self.score, self.keys = prefix[chosen], score[chosen], keys[survive]
+        self.parents.append(chosen // k)
+        self.picks.append(chosen % k)
+        self.last = i
+        return len(chosen)
+
+    def trace(self, state: int) -> list[int]:
+        """The choices of layers ``0..last`` that lead to ``state``."""
+        choices = []
+        for parents, picks in zip(reversed(self.parents), reversed(self.picks), strict=True):
+            choices.append(int(picks[state]))
+            state = int(parents[state])
+        return choices[::-1]
+
+
+def _thinned(survive: np.ndarray, group: np.ndarray, potential: np.ndarray, thin: int) -> np.ndarray:
+    """Of ``survive`` (``group``: theirs; each group's least bytes first), each group's
+    least-bytes state and the ``thin`` others of best potential."""
+    first = np.zeros(len(survive), dtype=bool)
+    first[_runs(group)[0]] = True
+    others = np.flatnonzero(~first)
+    best = others[np.argsort(potential[survive[others]], kind="stable")[:thin]]
+    return survive[np.sort(np.concatenate((np.flatnonzero(first), best)))]
+
+
+class _Backward:
+    """Partial plans of layers ``first..n-1``, as the backward walk keeps them: per state its
+    seconds, its retained bytes, ``cap`` (the most retained bytes layers ``0..first-1`` may hold
+    for every phase it fixes to fit) and ``heads``: for each phase of layers ``first..first+depth-1``,
+    what those bytes plus the offloaded bytes reloaded into it from before ``first`` may come to."""
+
+    def __init__(self, costs: Costs, budget: float) -> None:
+        self.costs, self.budget = costs, budget
+        self.first = costs.layers
+        self.cap = np.array([budget - costs.start_phase])
+        self.heads = np.full((1, costs.depth), np.inf)
+        self.score = np.zeros(1)
+        self.retained = np.zeros(1)
         self.parents: list[np.ndarray] = []
         self.picks: list[np.ndarray] = []
 
-    def _tail_ids(self, candidates: tuple[Candidate, ...]) -> np.ndarray:
-        """Per (tail id, candidate), the id of the tail after this layer: the last ``depth``
-        offloaded figures."""
-        step_tail = np.empty((len(self.tail_list), len(candidates)), dtype=np.int64)
-        for t_id, t in enumerate(tuple(self.tail_list)):
-            for c, candidate in enumerate(candidates):
-                key = (*t[1:], candidate.offloaded_bytes) if self.depth else ()
-                if key not in self.tails:
-                    self.tails[key] = len(self.tail_list)
-                    self.tail_list.append(key)
-                step_tail[t_id, c] = self.tails[key]
-        return step_tail
-
-    def _extend(
-        self, i: int, candidates: tuple[Candidate, ...]
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
-        """Every state extended by every candidate of layer ``i``: the new prefixes and
-        objectives, which of them the budget and the bound allow, and (under a budget, with
-        bounds) their potential, seconds so far plus the bound on the rest."""
-        k = len(candidates)
-        retained = np.array([c.retained_bytes for c in candidates])
-        transient = np.array([c.transient_bytes for c in candidates])
-        reloaded = np.array([sum(t) for t in self.tail_list])[self.tail]  # the tail, back for layer i
-        new_prefix = (self.prefix[:, None] + retained[None, :]).ravel()
-        phase = (
-            (self.base + self.problem.other_grad_bytes + self.after[i] + new_prefix)
-            + np.tile(transient, len(self.prefix))
-            + np.repeat(reloaded, k)
-        )
-        potential = None
-        if self.minimise_peak:
-            new_score = np.maximum(np.repeat(self.score, k), phase)
-            ok = np.ones(len(new_prefix), dtype=bool)
+    def step(self, bounds: Bounds, target: float) -> int:
+        """Put every candidate of the layer before ``first`` under every state; drop what no
+        prefix can complete, what the bound says cannot meet ``target`` and what is dominated."""
+        costs, j = self.costs, self.first - 1
+        retained, transient, seconds, offloaded = costs.layer(j)
+        k, n, depth = len(retained), len(self.cap), costs.depth
+        own = np.tile(self.budget - costs.fixed[j] - transient - retained, n)
+        cap = (self.cap[:, None] - retained).ravel()
+        heads = np.empty((n * k, depth))
+        if depth:
+            moved = np.tile(retained + offloaded, n)
+            # The oldest head's phase now has every reload it takes: it joins the cap.
+            cap = np.minimum(cap, np.repeat(self.heads[:, -1], k) - moved)
+            heads[:, 0] = own
+            heads[:, 1:] = np.repeat(self.heads[:, :-1], k, axis=0) - moved[:, None]
+            room = np.minimum(cap, heads.min(axis=1))
         else:
-            seconds = np.array([c.extra_seconds for c in candidates])
-            new_score = (self.score[:, None] + seconds[None, :]).ravel()
-            ok = phase <= self.budget
-            if self.growing:
-                ok &= new_prefix <= self.cap_start
-            if self.bounds is not None:
-                least, widths, times = self.bounds[i + 1]
-                room = self.cap_start - new_prefix - least
-                potential = new_score + np.interp(room, widths, times)
-                ok &= (room >= 0) & (potential <= self.upper + self.slack)
-        return new_prefix, new_score, ok, potential
-
-    @staticmethod
-    def _staircase(
-        order: np.ndarray,
-        sorted_tail: np.ndarray,
-        sorted_score: np.ndarray,
-        potential: np.ndarray | None,
-        thin: int | None,
-    ) -> np.ndarray:
-        """Which of the ``order``-sorted states survive: per tail, those whose score is below
-        every earlier one of the same tail (thinned to ``thin`` when given)."""
-        starts = np.flatnonzero(np.r_[True, sorted_tail[1:] != sorted_tail[:-1]])
-        survive = np.zeros(len(order), dtype=bool)
-        for a, b in zip(starts, [*starts[1:], len(order)], strict=True):
-            block = sorted_score[a:b]
-            stair = np.r_[True, block[1:] < np.minimum.accumulate(block)[:-1]]
-            if thin is not None and stair.sum() > thin:
-                # The least-bytes state, and the others with the best potential (seconds
-                # so far plus the bound on the rest), else an even spread.
-                steps = np.flatnonzero(stair)
-                if potential is not None:
-                    ranked = steps[1:][np.argsort(potential[order[a:b][steps[1:]]], kind="stable")]
-                    kept = np.r_[steps[0], ranked[: thin - 1]]
-                else:
-                    kept = steps[np.unique(np.linspace(0, len(steps) - 1, thin).round().astype(int))]
-                stair[:] = False
-                stair[kept] = True
-            survive[a:b] = stair
-        return survive
-
-    def step(self, i: int, candidates: tuple[Candidate, ...], thin: int | None) -> bool:
-        """Layer ``i``: extend, drop what breaks the budget, keep the staircases. ``False``
-        when no state survives."""
-        k = len(candidates)
-        step_tail = self._tail_ids(candidates)
-        new_prefix, new_score, ok, potential = self._extend(i, candidates)
-        idx = np.flatnonzero(ok)
-        if not len(idx):
-            return False
-        next_tail = step_tail[self.tail].ravel()
-        # Per tail, the staircase: sorted by (tail, S, score).
-        order = idx[np.lexsort((new_score[idx], new_prefix[idx], next_tail[idx]))]
-        survive = self._staircase(order, next_tail[order], new_score[order], potential, thin)
-        chosen = order[survive]
+            cap = room = np.minimum(cap, own)
+        score = (self.score[:, None] + seconds).ravel()
+        kept = np.flatnonzero(room >= costs.least_prefix[j])
+        potential = score[kept] + bounds.before(j, room[kept])
+        kept = kept[potential <= target]
+        survive, _ = _pareto(-heads[kept], -cap[kept], score[kept])
+        chosen = kept[survive]
         if len(chosen) > FRONTIER_LIMIT:
-            raise _FrontierTooLarge(f"{len(chosen)} states at layer {i}")
-        self.prefix, self.score, self.tail = new_prefix[chosen], new_score[chosen], next_tail[chosen]
+            raise _FrontierTooLarge(f"{len(chosen)} states at layer {j}")
+        self.cap, self.heads, self.score = cap[chosen], heads[chosen], score[chosen]
+        self.retained = (self.retained[:, None] + retained).ravel()[chosen]
         self.parents.append(chosen // k)
         self.picks.append(chosen % k)
-        return True
+        self.first = j
+        return len(chosen)
 
-    def best(self) -> tuple[int, ...] | None:
-        """The best final state's choices (ties in the objective to the least bytes), traced
-        back through the parents; ``None`` when no state fits."""
-        if self.minimise_peak:
-            final = np.maximum(
-                np.maximum(self.score, self.start_phase + self.prefix), self.problem.optimizer_phase_bytes
-            )
-        else:
-            final = np.where(self.prefix <= self.cap_start, self.score, np.inf)
-            if not np.isfinite(final).any():
-                return None
-        lowest = final.min()
-        tied = np.flatnonzero(final <= lowest + 1e-12 * max(abs(lowest), 1.0))
-        state = int(tied[np.argmin(self.prefix[tied])])
+    def trace(self, state: int) -> list[int]:
+        """The choices of layers ``first..n-1`` that ``state`` holds."""
         choices = []
-        for i in range(len(self.problem.layers) - 1, -1, -1):
-            choices.append(int(self.picks[i][state]))
-            state = int(self.parents[i][state])
-        choices.reverse()
-        return tuple(choices)
+        for parents, picks in zip(reversed(self.parents), reversed(self.picks), strict=True):
+            choices.append(int(picks[state]))
+            state = int(parents[state])
+        return choices
 
 
-def frontier(
-    problem: PlanProblem, budget: float | None, *, thin: int | None = None, upper: float = np.inf
-) -> tuple[int, ...] | None:
-    """Exact dynamic program over Pareto frontiers of partial plans, layers in forward order.
-
-    A partial plan of layers ``0..i`` is summarised by its prefix of retained bytes ``S_i``,
-    the offloaded bytes of its last ``prefetch_layers`` layers (the ``tail``: they enter the
-    next layers' phases) and its objective so far: the summed extra seconds when a budget is
-    given, else the largest phase seen. Every later phase is ``S_i`` plus terms that depend
-    on layers ``0..i`` only through the tail, so of two partial plans with the same tail the
-    one with no larger ``S_i`` and no larger objective can take every continuation the other
-    can, at no larger total: the other is dropped (exact; no rounding of bytes). Each step
-    extends every surviving state by each undominated candidate, drops what breaks the
-    budget, and keeps per tail the states on the ``(S, objective)`` staircase. Ties in time
-    go to the plan that retains less.
-
-    Under a budget, a state is also dropped when its seconds plus a lower bound on what the
-    remaining layers add (``suffix_bounds``, at the bytes the budget leaves them) exceed
-    ``upper``, the time of a plan known to fit. ``thin`` keeps at most that many states per
-    tail, spread along the staircase (its ends kept): no longer exact, but it finds a plan
-    whenever one exists, since the least-bytes state of every tail survives.
-
-    ``problem`` holds undominated candidates only (``reduced``); returns choices indexing
-    them, ``None`` when nothing fits; raises ``_FrontierTooLarge`` past ``FRONTIER_LIMIT``
-    states.
-    """
-    if budget is not None and problem.optimizer_phase_bytes > budget:
+def _join(forward: _Forward, backward: _Backward) -> tuple[float, tuple[int, ...]] | None:
+    """The fastest whole plan a forward state and a backward state that meet make (ties to the
+    one that retains less), with its seconds; ``None`` when no pair fits together."""
+    depth = forward.costs.depth
+    best: tuple[float, float, int, int] | None = None
+    if depth:
+        group = np.unique(forward.keys, axis=0, return_inverse=True)[1].ravel()
+    else:
+        group = np.zeros(len(forward.prefix), dtype=np.int64)
+    for g in np.unique(group):
+        mine = np.flatnonzero(group == g)
+        keys = forward.keys[mine[0]]
+        # What this tail leaves the backward state: its phases take the tail's reloads.
+        room = backward.cap.copy()
+        for q in range(depth):
+            room = np.minimum(room, backward.heads[:, q] - keys[depth - 1 - q])
+        order = np.lexsort((backward.retained, backward.score, -room))
+        fastest = np.minimum.accumulate(backward.score[order])
+        at = np.maximum.accumulate(np.where(backward.score[order] <= fastest, np.arange(len(order)), 0))
+        fits = np.searchsorted(-room[order], -forward.prefix[mine], side="right")
+        ok = fits > 0
+        if not ok.any():
+            continue
+        mine, pos = mine[ok], fits[ok] - 1
+        total = forward.score[mine] + fastest[pos]
+        partner = order[at[pos]]
+        least = total.min()
+        tied = np.flatnonzero(total <= least + 1e-12 * max(abs(least), 1.0))
+        bytes_held = forward.prefix[mine[tied]] + backward.retained[partner[tied]]
+        pick = tied[np.argmin(bytes_held)]
+        candidate = (float(total[pick]), float(bytes_held.min()), int(mine[pick]), int(partner[pick]))
+        if (
+            best is None
+            or candidate[0] < best[0] - 1e-12 * max(abs(best[0]), 1.0)
+            or (candidate[0] <= best[0] + 1e-12 * max(abs(best[0]), 1.0) and candidate[1] < best[1])
+        ):
+            best = candidate
+    if best is None:
         return None
-    walk = _Walk(problem, budget, upper)
-    for i, candidates in enumerate(problem.layers):
-        if not walk.step(i, candidates, thin):
+    return best[0], tuple(forward.trace(best[2]) + backward.trace(best[3]))
+
+
+def _meet(costs: Costs, bounds: Bounds, budget: float, target: float) -> tuple[float, tuple[int, ...]] | None:
+    """Walk from both ends, always extending the smaller frontier, and join. Exact for
+    ``target``: when some plan takes at most ``target`` seconds, the fastest is returned;
+    otherwise whatever fitting plan the join finds (or ``None``)."""
+    forward, backward = _Forward(costs, budget), _Backward(costs, budget)
+    left, right = 1, 1
+    while forward.last + 1 < backward.first:
+        if left <= right:
+            left = forward.step(bounds, target)
+        else:
+            right = backward.step(bounds, target)
+        if not left or not right:
             return None
-    return walk.best()
+    return _join(forward, backward)
+
+
+def _forward_only(
+    costs: Costs, budget: float | None, bounds: Bounds | None = None, *, thin: int | None = None
+) -> tuple[tuple[int, ...] | None, bool]:
+    """One forward walk over every layer, and whether it was exact: with no budget, exact for
+    the least peak; under a budget with ``thin``, the beam pass (it finds a plan whenever one
+    exists, since every tail's least-bytes state survives; exact when it never thinned)."""
+    walk = _Forward(costs, budget)
+    for _ in range(costs.layers):
+        if not walk.step(bounds, np.inf, thin):
+            return None, True
+    if budget is None:
+        final = np.maximum(np.maximum(walk.score, costs.start_phase + walk.prefix), costs.optimizer_phase)
+    else:
+        final = walk.score
+    lowest = final.min()
+    tied = np.flatnonzero(final <= lowest + 1e-12 * max(abs(lowest), 1.0))
+    return tuple(walk.trace(int(tied[np.argmin(walk.prefix[tied])]))), not walk.thinned
 
 
 def search(problem: PlanProblem, budget: float | None) -> tuple[int, ...] | None:
-    """``frontier`` on a reduced problem: with no budget, one exact pass for the least peak;
-    under one, a beam pass (``THIN`` states per tail) for a plan that fits, then the exact
-    pass bounded by that plan's time."""
+    """The fastest plan under ``budget`` (or, with ``None``, the least peak), exactly, on a
+    reduced problem (``reduced``); ``None`` when nothing fits.
+
+    Under a budget: the beam pass finds a plan that fits (or shows none does; when it never had
+    to thin, it was the exact walk and its plan is the answer). Then targets rise from the
+    lower bound on the whole plan towards that plan's time; at each, both walks
+    keep only partial plans whose seconds plus the bound on the rest meet the target, so a
+    target at or above the optimum finds the optimum (a fitting plan the join finds above the
+    target replaces the one to beat). The last target is the time of the best plan known, which
+    the walks always meet. Raises ``_FrontierTooLarge`` past ``FRONTIER_LIMIT`` states.
+    """
+    costs = Costs.of(problem)
     if budget is None:
-        return frontier(problem, None)
-    rough = frontier(problem, budget, thin=THIN)
-    if rough is None:
+        return _forward_only(costs, None)[0]
+    if costs.optimizer_phase > budget:
         return None
-    return frontier(problem, budget, upper=problem.seconds(rough) - problem.base_seconds)
+    bounds = Bounds(costs, budget)
+    if not np.isfinite(bounds.lowest):
+        return None
+    choices, exact = _forward_only(costs, budget, bounds, thin=THIN)
+    if choices is None or exact:
+        return choices
+    best = costs.seconds(choices)
+    slack = 1e-9 * max(abs(best), 1.0)
+    rise = max(best - bounds.lowest, 0.0) * FIRST_TARGET
+    while True:
+        target = min(bounds.lowest + rise, best)
+        found = _meet(costs, bounds, budget, target + slack)
+        if found is not None and found[0] <= target + slack:
+            return found[1]
+        if target >= best:
+            return choices  # every plan faster than it would have met this target
+        if found is not None and found[0] < best:
+            best, choices = found
+        rise *= RISE

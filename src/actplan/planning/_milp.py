@@ -15,9 +15,11 @@ from actplan.planning._extra import require
 from actplan.planning._frontier import reduced
 
 if TYPE_CHECKING:
-    from actplan.planning.planner import PlanProblem
+    from actplan.planning._records import PlanProblem
 
 _MIB = float(2**20)
+# The largest time coefficient is scaled up to at least this (see ``_cost``).
+SECONDS_SCALE = 1e4
 
 
 def milp(problem: PlanProblem, budget: float | None) -> tuple[int, ...] | None:
@@ -94,14 +96,18 @@ def _constraints(problem: PlanProblem, budget: float | None, cols: _Columns) -> 
 
 def _cost(cols: _Columns) -> np.ndarray:
     """P when minimising the peak; else the seconds, ties going to the plan that retains less
-    (a weight far below any time difference)."""
+    (a weight far below any time difference), in units that make the largest at least
+    ``SECONDS_SCALE``: HiGHS prunes with absolute tolerances (about 1e-6), so differences
+    smaller than that in seconds would be lost."""
     cost = np.zeros(cols.width)
     if cols.minimise_peak:
         cost[cols.p_col] = 1.0
     else:
         seconds, retained = cols.seconds, cols.retained
         span = max(float(retained.sum()), 1.0)
-        cost[: cols.n] = seconds + max(float(np.abs(seconds).max()), 1e-9) * 1e-7 / span * retained
+        unit = max(float(np.abs(seconds).max()), 1e-9)
+        scale = max(SECONDS_SCALE / unit, 1.0)
+        cost[: cols.n] = (seconds + unit * 1e-7 / span * retained) * scale
     return cost
 
 

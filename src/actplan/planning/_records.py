@@ -1,19 +1,135 @@
-"""What a profile holds: each candidate's measured costs, grouped by layer type, and the
-model's fixed costs; as JSON for the cache, and as the planner's ``PlanProblem``.
+"""The planning package's records: what a profile holds (each candidate's measured costs,
+grouped by layer type, and the model's fixed costs; as JSON for the cache) and what the
+planner solves (``Candidate``, ``PlanProblem``: ``actplan.planning.planner`` is their public
+home), with the config entry of one candidate (``choice_of``).
 
-Imports the planner (its problem types) and ``choose`` (a candidate's config entry).
+A leaf of the package, so that the planner, its solvers, the profiler and ``choose`` all
+import it and not each other. Imports the standard library only.
 """
 
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from actplan.planning.choose import choice_of
-from actplan.planning.planner import Candidate, PlanProblem
-
 PROFILE_FORMAT = 5  # 3: chain by unit forward time; 4: boundary grads; 5: per-layer extras
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One way to run a layer, with its measured costs."""
+
+    name: str  # e.g. "full", "none", "keep attn_core+mlp_up", "full+offload"
+    retained_bytes: float
+    transient_bytes: float
+    extra_seconds: float
+    offloaded_bytes: float = 0.0
+
+
+@dataclass(frozen=True)
+class PlanProblem:
+    """Per layer (forward order), the candidates it may take; and the memory outside the layers."""
+
+    layers: tuple[tuple[Candidate, ...], ...]
+    static_bytes: float  # parameters and optimizer state
+    base_seconds: float
+    nonlayer_bytes: float = 0.0  # activations outside the layers, alive when backward starts
+    layer_grad_bytes: tuple[float, ...] = ()  # per layer; empty means none
+    other_grad_bytes: float = 0.0  # gradients of parameters outside the layers
+    optimizer_step_bytes: float = 0.0  # the optimizer step's temporaries
+    # Calibration: what measured backward peaks hold beyond the model above (the loss head's
+    # backward, allocator timing); added to every backward phase.
+    backward_extra_bytes: float = 0.0
+    head_transient_bytes: float = 0.0  # the loss head's backward, at backward start
+    # Offload reloads this many earlier layers during a layer's backward (counted in its phase).
+    prefetch_layers: int = 0
+    # Per layer, measured: what runs during its backward, or before the layer below it starts
+    # (a loss head in mid-model, as multi-token prediction has), beyond the model above.
+    layer_extra_bytes: tuple[float, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.layers:
+            raise ValueError(
+                "a plan problem needs at least one layer; pass layers=[candidates of layer 0, ...] "
+                "(actplan.planning.budget builds it from a profile)"
+            )
+        for index, candidates in enumerate(self.layers):
+            if not candidates:
+                raise ValueError(
+                    f"layer {index} has no candidates; give every layer at least one (its 'none' "
+                    "candidate, no checkpointing, always fits)"
+                )
+        for index, candidates in enumerate(self.layers):
+            for candidate in candidates:
+                for cost in ("retained_bytes", "transient_bytes", "extra_seconds", "offloaded_bytes"):
+                    value = getattr(candidate, cost)
+                    if not math.isfinite(value):
+                        raise ValueError(
+                            f"layer {index}, candidate {candidate.name!r}: {cost} is {value}; costs must be "
+                            "finite numbers (a failed measurement? profile again with --refresh)"
+                        )
+        if self.layer_extra_bytes and len(self.layer_extra_bytes) != len(self.layers):
+            raise ValueError(
+                f"layer_extra_bytes has {len(self.layer_extra_bytes)} entries for {len(self.layers)} "
+                "layers; give one per layer, or none"
+            )
+        if self.layer_grad_bytes and len(self.layer_grad_bytes) != len(self.layers):
+            raise ValueError(
+                f"layer_grad_bytes has {len(self.layer_grad_bytes)} entries for {len(self.layers)} layers; "
+                "give one entry per layer, or leave it empty for none"
+            )
+
+    def _grads(self) -> tuple[float, ...]:
+        return self.layer_grad_bytes or (0.0,) * len(self.layers)
+
+    def extras(self) -> tuple[float, ...]:
+        """Per layer, its measured extra backward bytes (zeros when none were given)."""
+        return self.layer_extra_bytes or (0.0,) * len(self.layers)
+
+    def grads_after(self) -> list[float]:
+        """Per layer ``i``, gradient bytes of layers after it (already produced in backward)."""
+        grads = self._grads()
+        return [sum(grads[i + 1 :]) for i in range(len(grads))]
+
+    @property
+    def optimizer_phase_bytes(self) -> float:
+        return self.static_bytes + self.other_grad_bytes + sum(self._grads()) + self.optimizer_step_bytes
+
+    def phases(self, choices: Sequence[int]) -> list[float]:
+        """Predicted bytes of every phase: backward start, each layer's backward (forward
+        order), the optimizer step."""
+        picked = [self.layers[i][c] for i, c in enumerate(choices)]
+        after = self.grads_after()
+        extra = self.extras()
+        base = self.static_bytes + self.backward_extra_bytes
+        phases = [
+            base + self.nonlayer_bytes + self.head_transient_bytes + sum(p.retained_bytes for p in picked)
+        ]
+        retained = 0.0
+        for i, p in enumerate(picked):
+            retained += p.retained_bytes
+            prefetched = sum(q.offloaded_bytes for q in picked[max(i - self.prefetch_layers, 0) : i])
+            phases.append(
+                base + self.other_grad_bytes + retained + p.transient_bytes + prefetched + after[i] + extra[i]
+            )
+        phases.append(self.optimizer_phase_bytes)
+        return phases
+
+    def peak(self, choices: Sequence[int]) -> float:
+        return max(self.phases(choices))
+
+    def seconds(self, choices: Sequence[int]) -> float:
+        return self.base_seconds + sum(self.layers[i][c].extra_seconds for i, c in enumerate(choices))
+
+
+def choice_of(mode: str, kept: tuple[str, ...]) -> dict[str, Any]:
+    """The config entry that installs one candidate: its mode, and its kept units when selective."""
+    if mode == "selective":
+        return {"mode": "selective", "keep": list(kept)}
+    return {"mode": mode}
 
 
 @dataclass

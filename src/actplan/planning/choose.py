@@ -1,8 +1,8 @@
 """From a solver's choices back to a config: the candidate each layer gets, and the
 ``RecomputeConfig`` that installs exactly those candidates.
 
-Imports ``actplan.config`` and ``actplan._install.plan`` (layer ranges); the profile types
-only for annotations.
+Imports ``actplan.config``, ``actplan._install.plan`` (layer ranges) and the planning records
+(a candidate's config entry, the profile types).
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from actplan._install.plan import format_indices
 from actplan.config import RecomputeConfig
+from actplan.planning._records import choice_of
 
 if TYPE_CHECKING:
     from actplan.planning._records import CandidateProfile, ModelProfile
@@ -46,10 +47,3 @@ def config_for(profile: ModelProfile, choices: list[int] | tuple[int, ...]) -> R
         if any(chosen[i].kept_units for i in offloaded):
             data["offload"]["units"] = "kept"
     return RecomputeConfig.from_dict(data, source="planner")
-
-
-def choice_of(mode: str, kept: tuple[str, ...]) -> dict[str, Any]:
-    """The config entry that installs one candidate: its mode, and its kept units when selective."""
-    if mode == "selective":
-        return {"mode": "selective", "keep": list(kept)}
-    return {"mode": mode}

@@ -21,28 +21,34 @@ with ``static`` = parameters and optimizer state (the backward phases also carry
 them; ``fixed + sum retained + max transient`` (every gradient and every activation at
 once) is its upper bound. Step time is ``base_seconds + sum_i extra_seconds_i``.
 
-The choice is solved exactly by a dynamic program over Pareto frontiers of partial plans
-(``planning/_frontier.py``): every phase is a prefix sum of retained bytes plus terms of one layer, so a
-partial plan is dominated by one with no more retained bytes, the same offloaded tail and
-no more time. A beam pass finds a good plan first; the exact pass then also drops partial
-plans whose LP bound on the remaining layers cannot beat it. Solving 128 layers takes a
-tenth of a second (``python -m bench.planner``). The MILP (``planning/_milp.py``: HiGHS
-through ``scipy.optimize.milp``, prefix sums as continuous variables) stays as the tests'
-oracle and as the fallback when a frontier grows past ``FRONTIER_LIMIT`` states.
+The choice is solved exactly by dynamic programs over Pareto frontiers of partial plans
+(``planning/_frontier.py``): every phase is a prefix sum of retained bytes plus terms of one
+layer, so a partial plan is dominated by one with no more retained bytes, no more offloaded
+bytes in its tail and no more time. A beam pass finds a plan that fits; then walks from both
+ends of the stack, joined where they meet, keep only partial plans whose seconds plus a lower
+bound on the rest (``planning/_bounds.py``: the LP relaxation, and a per-layer bound that
+sees every layer's own phase, calibration terms included) meet a target, which rises from the
+bound on the whole plan until a plan meets it. Nothing assumes layers alike: every layer's
+costs may differ (solve times: ``python -m bench.planner --solve-time-only``). The MILP
+(``planning/_milp.py``: HiGHS through ``scipy.optimize.milp``, prefix sums as continuous
+variables) stays as the tests' oracle and as the fallback when a frontier grows past
+``FRONTIER_LIMIT`` states.
 
-Imports ``actplan.sizes`` and the private solver modules ``_frontier`` (numpy) and ``_milp``
-(scipy, loaded when first solved); the package checks the ``plan`` extra on import.
+``Candidate`` and ``PlanProblem`` are defined in ``planning/_records.py`` (a leaf the solver
+modules import too) and are public here. Imports ``actplan.sizes``, the records and the
+private solver modules ``_frontier`` (numpy) and ``_milp`` (scipy, loaded when first solved);
+the package checks the ``plan`` extra on import.
 """
 
 from __future__ import annotations
 
 import itertools
-import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from actplan.planning import _frontier, _milp
+from actplan.planning._records import Candidate, PlanProblem
 from actplan.sizes import human_bytes, parse_bytes
 
 __all__ = [
@@ -65,113 +71,6 @@ class BudgetError(ValueError):
 
 
 @dataclass(frozen=True)
-class Candidate:
-    """One way to run a layer, with its measured costs."""
-
-    name: str  # e.g. "full", "none", "keep attn_core+mlp_up", "full+offload"
-    retained_bytes: float
-    transient_bytes: float
-    extra_seconds: float
-    offloaded_bytes: float = 0.0
-
-
-@dataclass(frozen=True)
-class PlanProblem:
-    """Per layer (forward order), the candidates it may take; and the memory outside the layers."""
-
-    layers: tuple[tuple[Candidate, ...], ...]
-    static_bytes: float  # parameters and optimizer state
-    base_seconds: float
-    nonlayer_bytes: float = 0.0  # activations outside the layers, alive when backward starts
-    layer_grad_bytes: tuple[float, ...] = ()  # per layer; empty means none
-    other_grad_bytes: float = 0.0  # gradients of parameters outside the layers
-    optimizer_step_bytes: float = 0.0  # the optimizer step's temporaries
-    # Calibration: what measured backward peaks hold beyond the model above (the loss head's
-    # backward, allocator timing); added to every backward phase.
-    backward_extra_bytes: float = 0.0
-    head_transient_bytes: float = 0.0  # the loss head's backward, at backward start
-    # Offload reloads this many earlier layers during a layer's backward (counted in its phase).
-    prefetch_layers: int = 0
-    # Per layer, measured: what runs during its backward, or before the layer below it starts
-    # (a loss head in mid-model, as multi-token prediction has), beyond the model above.
-    layer_extra_bytes: tuple[float, ...] = ()
-
-    def __post_init__(self) -> None:
-        if not self.layers:
-            raise ValueError(
-                "a plan problem needs at least one layer; pass layers=[candidates of layer 0, ...] "
-                "(actplan.planning.budget builds it from a profile)"
-            )
-        for index, candidates in enumerate(self.layers):
-            if not candidates:
-                raise ValueError(
-                    f"layer {index} has no candidates; give every layer at least one (its 'none' "
-                    "candidate, no checkpointing, always fits)"
-                )
-        for index, candidates in enumerate(self.layers):
-            for candidate in candidates:
-                for field in ("retained_bytes", "transient_bytes", "extra_seconds", "offloaded_bytes"):
-                    value = getattr(candidate, field)
-                    if not math.isfinite(value):
-                        raise ValueError(
-                            f"layer {index}, candidate {candidate.name!r}: {field} is {value}; costs must be "
-                            "finite numbers (a failed measurement? profile again with --refresh)"
-                        )
-        if self.layer_extra_bytes and len(self.layer_extra_bytes) != len(self.layers):
-            raise ValueError(
-                f"layer_extra_bytes has {len(self.layer_extra_bytes)} entries for {len(self.layers)} "
-                "layers; give one per layer, or none"
-            )
-        if self.layer_grad_bytes and len(self.layer_grad_bytes) != len(self.layers):
-            raise ValueError(
-                f"layer_grad_bytes has {len(self.layer_grad_bytes)} entries for {len(self.layers)} layers; "
-                "give one entry per layer, or leave it empty for none"
-            )
-
-    def _grads(self) -> tuple[float, ...]:
-        return self.layer_grad_bytes or (0.0,) * len(self.layers)
-
-    def extras(self) -> tuple[float, ...]:
-        """Per layer, its measured extra backward bytes (zeros when none were given)."""
-        return self.layer_extra_bytes or (0.0,) * len(self.layers)
-
-    def grads_after(self) -> list[float]:
-        """Per layer ``i``, gradient bytes of layers after it (already produced in backward)."""
-        grads = self._grads()
-        return [sum(grads[i + 1 :]) for i in range(len(grads))]
-
-    @property
-    def optimizer_phase_bytes(self) -> float:
-        return self.static_bytes + self.other_grad_bytes + sum(self._grads()) + self.optimizer_step_bytes
-
-    def phases(self, choices: Sequence[int]) -> list[float]:
-        """Predicted bytes of every phase: backward start, each layer's backward (forward
-        order), the optimizer step."""
-        picked = [self.layers[i][c] for i, c in enumerate(choices)]
-        after = self.grads_after()
-        extra = self.extras()
-        base = self.static_bytes + self.backward_extra_bytes
-        phases = [
-            base + self.nonlayer_bytes + self.head_transient_bytes + sum(p.retained_bytes for p in picked)
-        ]
-        retained = 0.0
-        for i, p in enumerate(picked):
-            retained += p.retained_bytes
-            prefetched = sum(q.offloaded_bytes for q in picked[max(i - self.prefetch_layers, 0) : i])
-            phases.append(
-                base + self.other_grad_bytes + retained + p.transient_bytes + prefetched + after[i] + extra[i]
-            )
-        phases.append(self.optimizer_phase_bytes)
-        return phases
-
-    def peak(self, choices: Sequence[int]) -> float:
-        return max(self.phases(choices))
-
-    def seconds(self, choices: Sequence[int]) -> float:
-        return self.base_seconds + sum(self.layers[i][c].extra_seconds for i, c in enumerate(choices))
-
-
-@dataclass(frozen=True)
 class Solution:
     choices: tuple[int, ...]  # candidate index per layer
     names: tuple[str, ...]
@@ -183,10 +82,8 @@ class Solution:
 def _exact(problem: PlanProblem, budget: float | None) -> tuple[int, ...] | None:
     """The least time under ``budget`` (or, with ``None``, the least peak), exactly.
 
-    Under a budget: a beam pass (``_frontier.frontier`` with ``thin``: per tail the states
-    with the best seconds-plus-bound) finds a plan that fits, or shows none does; then the
-    exact pass drops every partial plan whose bound says it cannot beat that plan. The MILP
-    answers where the frontier grows past ``FRONTIER_LIMIT``.
+    ``_frontier.search`` on the undominated candidates (see its doc); the MILP answers where a
+    frontier grows past ``FRONTIER_LIMIT``.
     """
     smaller, keep = _frontier.reduced(problem)
     try:

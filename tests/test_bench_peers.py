@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from torch.utils.checkpoint import CheckpointPolicy
+from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext
 
 from actplan.config import RecomputeConfig
 from actplan.evaluate.contenders import (
@@ -32,14 +32,18 @@ aten = torch.ops.aten
 
 
 def test_titan_policy_saves_every_other_matmul_and_the_attention_kernel():
+    forward = SelectiveCheckpointContext(is_recompute=False)
     policy = _titan_policy()
-    decisions = [policy(None, aten.mm.default) for _ in range(4)]
+    decisions = [policy(forward, aten.mm.default) for _ in range(4)]
     assert decisions == [CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_RECOMPUTE] * 2
+    # torch < 2.13 asks again during recompute: that count runs apart and repeats the forward's.
+    recompute = SelectiveCheckpointContext(is_recompute=True)
+    assert [policy(recompute, aten.mm.default) for _ in range(4)] == decisions
     attention = aten._scaled_dot_product_flash_attention_for_cpu.default
-    assert policy(None, attention) == CheckpointPolicy.MUST_SAVE
-    assert policy(None, aten.add.Tensor) == CheckpointPolicy.PREFER_RECOMPUTE
+    assert policy(forward, attention) == CheckpointPolicy.MUST_SAVE
+    assert policy(forward, aten.add.Tensor) == CheckpointPolicy.PREFER_RECOMPUTE
     # A fresh policy per layer forward: the count starts again.
-    assert _titan_policy()(None, aten.mm.default) == CheckpointPolicy.MUST_SAVE
+    assert _titan_policy()(forward, aten.mm.default) == CheckpointPolicy.MUST_SAVE
 
 
 def _rows(model: str, entries, compiled: frozenset[str] = frozenset()):

@@ -241,3 +241,41 @@ def test_no_grad_calls_bypass_checkpoint(monkeypatch):
 def test_rejects_non_modules():
     with pytest.raises(TypeError, match=r"expects an nn.Module"):
         apply_gradient_checkpointing(lambda x: x)
+
+
+@pytest.mark.parametrize("selective", [True, False])
+def test_a_forward_that_raises_leaves_no_checkpoint_state_behind(selective):
+    # torch < 2.13 leaves the failed checkpoint's saved-tensor hooks and its context_fn's
+    # forward context pushed until garbage collection; the boundary closes them (the error is
+    # kept alive here, as a caller holding it would), so the next layer runs unaffected.
+    from actplan._engine.policy import IntervalPolicy, MarkerError
+    from actplan.markers import checkpoint_record
+    from actplan.units import MarkerInterval, RecomputeIntervalMap
+
+    imap = RecomputeIntervalMap({"qkv_proj": MarkerInterval("a", "b")})
+
+    class Unbalanced(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            checkpoint_record("a")  # never closed: the forward fails at its end
+            h = torch.tanh(self.lin(x))
+            if not selective:
+                raise ValueError("boom")
+            return h
+
+    layer = Unbalanced()
+    if selective:
+        apply_gradient_checkpointing(layer, policy=IntervalPolicy(imap, imap.intervals_of(["qkv_proj"])))
+    else:
+        apply_gradient_checkpointing(layer)
+    with pytest.raises(MarkerError if selective else ValueError) as err:
+        layer(torch.randn(2, 4, requires_grad=True))
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    assert torch._C._len_torch_dispatch_stack() == 0
+    plain = nn.Linear(4, 4)
+    x = torch.randn(2, 4, requires_grad=True)
+    torch.tanh(plain(x)).sum().backward()
+    assert x.grad is not None and err.value is not None

@@ -534,12 +534,12 @@ def test_meter_runs_compiled_code_only_when_asked():
     # A compiled region under a dispatch mode falls back to eager (and stays eager afterwards on
     # torch 2.13); with run_compiled the graph runs and the meter sees what it keeps. Compiled
     # with an activation budget of 0, the graph keeps only its input; eager keeps activations.
-    torch._dynamo.reset()
     layer = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
     x = torch.randn(32, 64, requires_grad=True)
 
     def activations(run_compiled: bool) -> int:
-        compiled = torch.compile(layer, backend="aot_eager", isolate_recompiles=True)
+        torch._dynamo.reset()  # each run compiles afresh (torch < 2.13 has no isolate_recompiles)
+        compiled = torch.compile(layer, backend="aot_eager")
         with torch._functorch.config.patch(activation_memory_budget=0.0):
             compiled(x).sum().backward()  # compiles, outside the window
         with MemoryMeter(layer, run_compiled=run_compiled) as meter:

@@ -57,6 +57,28 @@ def test_cpu_flash_attention_is_counted_as_the_gpu_kernel_would_be():
     assert clock.flops == 4 * b * h * s * s * d
 
 
+def test_grouped_query_attention_is_counted_with_key_value_heads_broadcast():
+    # torch < 2.13's formulas refuse fewer key/value heads than query heads; the kernels
+    # broadcast them, so the count is that of full-headed attention (forward and backward).
+    from actplan.measure._roofline import op_flops
+
+    b, h, kv_heads, s, d = 2, 4, 2, 32, 16
+    q = torch.randn(b, h, s, d, requires_grad=True)
+    k, v = (torch.randn(b, kv_heads, s, d, requires_grad=True) for _ in range(2))
+    clock = RooflineClock("h100")
+    with clock:
+        F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).sum().backward()
+    by_op = {name.split(".")[-1]: cost.flops for name, cost in clock.by_op.items()}
+    full = 4 * b * h * s * s * d
+    assert by_op["_scaled_dot_product_flash_attention_for_cpu"] == full
+    assert by_op["_scaled_dot_product_flash_attention_for_cpu_backward"] == 2.5 * full
+    # The GPU kernels' formulas (torch's own) are given the broadcast shapes too.
+    meta_q = torch.empty(b, h, s, d, device="meta")
+    meta_kv = torch.empty(b, kv_heads, s, d, device="meta")
+    efficient = torch.ops.aten._scaled_dot_product_efficient_attention.default
+    assert op_flops(efficient, (meta_q, meta_kv, meta_kv, None, False), {}, None) == full
+
+
 def test_views_and_metadata_cost_nothing():
     x = torch.randn(8, 16)
     clock = RooflineClock("h100")

@@ -24,9 +24,10 @@ Sits on top of ``actplan`` and its reference models; nothing in ``actplan`` impo
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterable
 from functools import partial
-from types import MethodType
+from types import FunctionType, MethodType
 from typing import Any
 
 import torch
@@ -72,13 +73,15 @@ reduce-scatter and all-to-all collectives, and ``max`` (float8 scaling)."""
 def _titan_policy() -> Callable[..., CheckpointPolicy]:
     """torchtitan's documented op-level rule, fresh for each layer forward: save the ops in
     ``TITAN_SAVE_OPS`` and the 1st, 3rd, 5th, ... matmul; recompute everything else."""
-    matmuls_seen = 0
+    # torch < 2.13 asks the policy again during recompute and expects the forward's answers:
+    # as torchtitan does, the forward and the recompute count their matmuls apart.
+    matmuls_seen = {False: 0, True: 0}
 
     def policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
-        nonlocal matmuls_seen
         if func is aten.mm.default:
-            matmuls_seen += 1
-            return CheckpointPolicy.MUST_SAVE if matmuls_seen % 2 else CheckpointPolicy.PREFER_RECOMPUTE
+            matmuls_seen[ctx.is_recompute] += 1
+            saved = matmuls_seen[ctx.is_recompute] % 2
+            return CheckpointPolicy.MUST_SAVE if saved else CheckpointPolicy.PREFER_RECOMPUTE
         return CheckpointPolicy.MUST_SAVE if func in TITAN_SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
     return policy
@@ -344,15 +347,24 @@ def _call(forward: Callable, *args: Any, **kwargs: Any) -> Any:
     return forward(*args, **kwargs)
 
 
+_ISOLATE_RECOMPILES = "isolate_recompiles" in inspect.signature(torch.compile).parameters
+
+
 def compile_layers(model: nn.Module, backend: str | Callable, *, fullgraph: bool) -> None:
     """Compile every layer's forward through one ``torch.compile`` call for this model.
 
     Dynamo caches compiled graphs on the code object and does not tell backends apart, so a
     second model of the same class would reuse the first one's graphs, compiled under the first
     one's budget. ``isolate_recompiles=True`` gives this model's call its own cache: its layers
-    share graphs with each other (as ``layer.compile`` would) and with no other model.
+    share graphs with each other (as ``layer.compile`` would) and with no other model. Torch
+    before 2.13 has no such option; there the call compiles its own copy of ``_call``'s code
+    object, on which Dynamo keeps the cache.
     """
-    compiled = torch.compile(_call, backend=backend, fullgraph=fullgraph, isolate_recompiles=True)
+    if _ISOLATE_RECOMPILES:
+        compiled = torch.compile(_call, backend=backend, fullgraph=fullgraph, isolate_recompiles=True)
+    else:
+        call = FunctionType(_call.__code__.replace(), _call.__globals__, _call.__name__)
+        compiled = torch.compile(call, backend=backend, fullgraph=fullgraph)
     for _, layer in find_layers(model):
         forward = layer.forward
 

@@ -16,15 +16,18 @@ keeps the wrapper, bound to the copy.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 from torch import nn
+from torch.utils import checkpoint as torch_checkpoint
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 
@@ -227,12 +230,44 @@ def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         run = inner
         if state.marker_check is not None and not torch.compiler.is_compiling():
             run = functools.partial(_first_call_checked, state, inner)
-    if not kwargs:
+    if kwargs:
+        # Keyword tensors travel as positional ones: checkpoint then saves them as saved tensors
+        # (which offload can move) rather than holding them by reference, and a layer keyword
+        # can never collide with one of checkpoint's own options.
+        args = (run, tuple(kwargs), *args, *kwargs.values())
+        run = _call_with_keywords
+    if torch.compiler.is_compiling():
         return checkpoint(run, *args, **options)
-    # Keyword tensors travel as positional ones: checkpoint then saves them as saved tensors
-    # (which offload can move) rather than holding them by reference, and a layer keyword
-    # can never collide with one of checkpoint's own options.
-    return checkpoint(_call_with_keywords, run, tuple(kwargs), *args, *kwargs.values(), **options)
+    try:
+        return checkpoint(run, *args, **options)
+    except BaseException as error:
+        _close_failed_checkpoints(error)
+        raise
+
+
+# torch < 2.13 does not unwind a checkpoint whose forward raised: its generator stays suspended
+# inside the saved-tensor hooks and the context_fn's forward context (our region's dispatch
+# mode) until it is garbage collected, so every later op of the thread is recorded for the
+# failed layer. Newer torch closes it itself, leaving nothing suspended here.
+_CHECKPOINT_CODE = inspect.unwrap(checkpoint).__code__
+_GENERATOR_CODE = getattr(
+    getattr(torch_checkpoint, "_checkpoint_without_reentrant_generator", None), "__code__", None
+)
+
+
+def _close_failed_checkpoints(error: BaseException) -> None:
+    frames = []
+    tb = error.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code is _CHECKPOINT_CODE:
+            frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    for frame in reversed(frames):  # innermost first, as the contexts were entered
+        for value in frame.f_locals.values():
+            if inspect.isgenerator(value) and value.gi_code is _GENERATOR_CODE and value.gi_frame is not None:
+                # The forward's own error is the one to report, not one from unwinding.
+                with contextlib.suppress(Exception):
+                    value.close()
 
 
 def _check_wrappable(module: Any, context_fn: Any, policy: Any, marker_check: Any) -> None:

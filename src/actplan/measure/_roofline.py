@@ -77,11 +77,13 @@ def accelerator(name: str) -> Accelerator:
 
 
 def _cpu_flash_forward(query, key, value, *args, out_val=None, **kwargs) -> int:
-    return flop_counter.sdpa_flop_count(query.shape, key.shape, value.shape)
+    shapes = flop_counter.get_shape(query), flop_counter.get_shape(key), flop_counter.get_shape(value)
+    return flop_counter.sdpa_flop_count(*shapes)
 
 
 def _cpu_flash_backward(grad_out, query, key, value, *args, out_val=None, **kwargs) -> int:
-    return flop_counter.sdpa_backward_flop_count(grad_out.shape, query.shape, key.shape, value.shape)
+    shapes = [flop_counter.get_shape(t) for t in (grad_out, query, key, value)]
+    return flop_counter.sdpa_backward_flop_count(*shapes)
 
 
 _aten = torch.ops.aten
@@ -93,10 +95,50 @@ _EXTRA_FORMULAS: dict[Any, Any] = {
 }
 
 
+# Attention kernels -> where their query argument sits (after grad_out in the backward ones).
+_QUERY_AT: dict[Any, int] = {
+    **dict.fromkeys(
+        (
+            _aten._scaled_dot_product_flash_attention_for_cpu,
+            _aten._scaled_dot_product_flash_attention,
+            _aten._scaled_dot_product_efficient_attention,
+            _aten._scaled_dot_product_cudnn_attention,
+        ),
+        0,
+    ),
+    **dict.fromkeys(
+        (
+            _aten._scaled_dot_product_flash_attention_for_cpu_backward,
+            _aten._scaled_dot_product_flash_attention_backward,
+            _aten._scaled_dot_product_efficient_attention_backward,
+            _aten._scaled_dot_product_cudnn_attention_backward,
+        ),
+        1,
+    ),
+}
+
+
+def _broadcast_key_value(args: tuple, query_at: int) -> tuple:
+    # Grouped-query attention: key and value have fewer heads than the query, and the kernel
+    # broadcasts them. torch < 2.13's formulas reject such shapes, so they are given the shapes
+    # broadcast to the query's heads (the formulas read shapes only; newer torch does the same).
+    query, key, value = args[query_at : query_at + 3]
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (query, key, value)):
+        return args
+    heads = query.shape[1]
+    if key.shape[1] == heads:
+        return args
+    key, value = (torch.Size((t.shape[0], heads, *t.shape[2:])) for t in (key, value))
+    return (*args[: query_at + 1], key, value, *args[query_at + 3 :])
+
+
 def op_flops(func, args: tuple, kwargs: dict, out: Any) -> int:
     """FLOPs of one aten op call (0 for ops without a formula: elementwise work is charged for
     its bytes)."""
     packet = getattr(func, "overloadpacket", func)
+    query_at = _QUERY_AT.get(packet)
+    if query_at is not None and len(args) >= query_at + 3:
+        args = _broadcast_key_value(args, query_at)
     formula = _EXTRA_FORMULAS.get(packet) or flop_counter.flop_registry.get(packet)
     if formula is None:
         return 0

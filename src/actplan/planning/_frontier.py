@@ -180,11 +180,16 @@ class _Forward:
 
     def trace(self, state: int) -> list[int]:
         """The choices of layers ``0..last`` that lead to ``state``."""
-        choices = []
-        for parents, picks in zip(reversed(self.parents), reversed(self.picks), strict=True):
-            choices.append(int(picks[state]))
-            state = int(parents[state])
-        return choices[::-1]
+        return _walk_back(self.parents, self.picks, state)[::-1]
+
+
+def _walk_back(parents: list[np.ndarray], picks: list[np.ndarray], state: int) -> list[int]:
+    """The choices from the newest step back to the first, following ``state``'s parents."""
+    choices = []
+    for step_parents, step_picks in zip(reversed(parents), reversed(picks), strict=True):
+        choices.append(int(step_picks[state]))
+        state = int(step_parents[state])
+    return choices
 
 
 def _thinned(survive: np.ndarray, group: np.ndarray, potential: np.ndarray, thin: int) -> np.ndarray:
@@ -248,11 +253,7 @@ class _Backward:
 
     def trace(self, state: int) -> list[int]:
         """The choices of layers ``first..n-1`` that ``state`` holds."""
-        choices = []
-        for parents, picks in zip(reversed(self.parents), reversed(self.picks), strict=True):
-            choices.append(int(picks[state]))
-            state = int(parents[state])
-        return choices
+        return _walk_back(self.parents, self.picks, state)
 
 
 def _join(forward: _Forward, backward: _Backward) -> tuple[float, tuple[int, ...]] | None:

@@ -4,12 +4,17 @@ one line naming the problem."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+from dataclasses import replace
 
 import pytest
+import torch
 
 from actplan.cli import main
-from actplan.evaluate.estimate import Shape, estimate, load_shape, preset_step, shape_names
+from actplan.config import RecomputeConfig
+from actplan.models.shape import Shape, load_shape, shape_from_hf_config, shape_names
+from actplan.planning.estimate import estimate, preset_step
 
 SMALL = Shape(layers=2, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=128, seq=32, batch=2, dtype="fp32")
 SMALL_MOE = Shape(
@@ -20,11 +25,95 @@ SMALL_MOE = Shape(
 
 @pytest.mark.parametrize("preset", ["none", "full", "matmuls"])
 def test_the_fake_step_measures_what_the_real_step_measures(preset):
-    fake, params, largest = preset_step(SMALL, preset, "h100", fake=True)
-    real, real_params, real_largest = preset_step(SMALL, preset, "h100", fake=False)
+    fake, sizes = preset_step(SMALL, preset, "h100", fake=True)
+    real, real_sizes = preset_step(SMALL, preset, "h100", fake=False)
     assert (fake.activation_bytes, fake.step_peak_bytes) == (real.activation_bytes, real.step_peak_bytes)
-    assert (fake.flops, params, largest) == (real.flops, real_params, real_largest)
+    assert (fake.flops, sizes) == (real.flops, real_sizes)
     assert fake.activation_bytes > 0 and fake.flops > 0
+
+
+@pytest.mark.parametrize(
+    ("shape", "tp", "ep"),
+    [(SMALL, 2, 1), (SMALL_MOE, 2, 2), (replace(SMALL, head_dim=24), 1, 1)],
+    ids=["dense-tp2", "moe-tp2-ep2", "head-dim-apart"],
+)
+def test_one_ranks_shape_measures_on_fake_tensors_what_it_measures_on_real_ones(shape, tp, ep):
+    rank = shape.per_rank(tp, ep)
+    fake, sizes = preset_step(rank, "matmuls", "h100", fake=True)
+    real, real_sizes = preset_step(rank, "matmuls", "h100", fake=False)
+    assert (fake.activation_bytes, fake.step_peak_bytes, fake.flops) == (
+        real.activation_bytes,
+        real.step_peak_bytes,
+        real.flops,
+    )
+    assert sizes == real_sizes
+    if tp == ep == 1:  # heads of 24 on hidden 64: wider attention than SMALL's 4 x 16
+        narrow, _ = preset_step(SMALL, "matmuls", "h100")
+        assert fake.flops > narrow.flops and fake.activation_bytes > narrow.activation_bytes
+        return
+    whole, whole_sizes = preset_step(shape, "matmuls", "h100")
+    # Heads, FFN and vocabulary split tp ways, experts ep ways: less of everything per rank.
+    assert whole.flops > fake.flops and whole.activation_bytes > fake.activation_bytes
+    assert whole_sizes.parameters > sizes.parameters
+    if ep > 1:
+        assert sizes.expert_parameters * ep == whole_sizes.expert_parameters
+
+
+def test_a_layout_that_does_not_divide_is_named():
+    with pytest.raises(ValueError, match=r"--tp 3 must divide heads \(4\), kv_heads \(2\)"):
+        SMALL.per_rank(tp=3)
+    with pytest.raises(ValueError, match=r"--ep 3 must divide experts \(4\)"):
+        SMALL_MOE.per_rank(ep=3)
+    with pytest.raises(ValueError, match="needs a MoE shape"):
+        SMALL.per_rank(ep=2)
+    with pytest.raises(ValueError, match="--ep 4 must divide --fsdp 2"):
+        estimate(SMALL_MOE, ("none",), fsdp=2, ep=4)
+
+
+def test_the_fake_profile_sees_every_byte_and_second_the_real_profile_sees():
+    """Profiled on the roofline clock, fake and real runs give the same candidates, bytes and
+    (clocked) seconds: nothing in the profile depends on values."""
+    from actplan.measure import FakeRun
+    from actplan.models import build_model
+    from actplan.planning.profile import profile_model
+
+    def profile(fake: bool):
+        with contextlib.ExitStack() as stack:
+            if fake:
+                stack.enter_context(FakeRun())
+            bundle = build_model("dense", "small", **SMALL.model_overrides())
+            return profile_model(
+                bundle, spec="dense", device=torch.device("cpu"), gpu="h100", progress=lambda e: None
+            )
+
+    fake, real = profile(True), profile(False)
+    assert fake.roofline_gpu == real.roofline_gpu == "h100"
+    same = ("param_bytes", "optimizer_bytes", "nonlayer_activation_bytes", "none_peak_bytes")
+    same += ("full_peak_bytes", "backward_extra_bytes", "head_transient_bytes", "base_seconds")
+    for name in same:
+        assert getattr(fake, name) == pytest.approx(getattr(real, name), rel=1e-12), name
+    real_candidates = {c.name: c for t in real.layer_types for c in t.candidates if not c.offload}
+    fake_candidates = {c.name: c for t in fake.layer_types for c in t.candidates}
+    assert set(fake_candidates) == set(real_candidates)
+    for name, c in fake_candidates.items():
+        r = real_candidates[name]
+        assert (c.retained_bytes, c.transient_bytes) == (r.retained_bytes, r.transient_bytes), name
+        assert c.extra_seconds == pytest.approx(r.extra_seconds, rel=1e-9), name
+
+
+def test_plans_are_profiled_planned_and_stepped_on_fake_tensors():
+    result = estimate(SMALL, ("none", "full"), fsdp=2, plans=True)
+    none, full, *plans = result.rows
+    assert len(plans) == 3 and plans == result.plans
+    for plan in plans:
+        # Each plan fits its budget as stepped, and the planner predicted its peak closely.
+        assert plan.fits, plan
+        assert full.peak_bytes <= plan.peak_bytes <= none.peak_bytes
+        assert plan.predicted_peak_bytes == pytest.approx(plan.peak_bytes, rel=0.05)
+        config = RecomputeConfig.from_yaml(plan.plan_yaml)
+        assert config.to_yaml() == plan.plan_yaml
+    assert plans[0].budget_bytes < plans[1].budget_bytes < plans[2].budget_bytes
+    assert plans[0].seconds >= plans[2].seconds
 
 
 def test_static_memory_follows_the_stated_formula_and_the_budget_picks_the_fastest_fit():
@@ -70,8 +159,13 @@ def test_shipped_shapes_load_and_say_where_they_come_from():
           "--ffn", "64", "--vocab", "64"], "model 'moe' needs experts, top_k, expert_ffn"),
         (["--model", "dense", "--layers", "2"], "--model dense needs --hidden"),
         ([], "give --shape NAME"),
-        (["--shape", "llama3-8b", "--model", "dense"], "not both"),
+        (["--shape", "llama3-8b", "--model", "dense"], "not several"),
         (["--shape", "llama3-8b", "--fsdp", "0"], "fsdp must be 1 or more"),
+        (["--shape", "llama3-8b", "--tp", "3"], "--tp 3 must divide heads (32), kv_heads (8)"),
+        (["--shape", "llama3-8b", "--ep", "2"], "--ep 2 needs a MoE shape"),
+        (["--shape", "llama3-8b", "--out", "plan.yaml"], "--out writes the plan for --budget"),
+        (["--shape", "llama3-8b", "--hf-config", "x.json"], "give one of --shape, --hf-config"),
+        (["--hf-config", "/nonexistent/config.json"], "no such file; give a local config.json"),
         (["--shape", "llama3-8b", "--budget", "80"], "under 1 MiB; write it with a unit"),
     ],
 )  # fmt: skip
@@ -95,6 +189,65 @@ def test_cli_prints_the_table_and_writes_json(tmp_path, capsys):
     assert main([*args, "--presets", "none,full", "--budget", "1GiB", "--json", str(out), "--quiet"]) == 0
     printed = capsys.readouterr().out
     assert "estimated on fake tensors" in printed and "times are estimates" in printed
-    assert "fastest preset under 1GiB: none" in printed
+    assert "fastest under 1GiB: none" in printed
     data = json.loads(out.read_text())
     assert [row["preset"] for row in data["rows"]] == ["none", "full"]
+
+
+QWEN3_MOE_CONFIG = {
+    "model_type": "qwen3_moe", "hidden_size": 2048, "num_hidden_layers": 48, "num_attention_heads": 32,
+    "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 6144, "moe_intermediate_size": 768,
+    "num_experts": 128, "num_experts_per_tok": 8, "vocab_size": 151936, "decoder_sparse_step": 1,
+}  # fmt: skip
+
+
+def test_a_hugging_face_config_maps_onto_the_shape_it_describes(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_MOE_CONFIG))
+    shape = shape_from_hf_config(tmp_path, seq=4096)  # a folder holding config.json
+    assert shape == replace(load_shape("qwen3-30b-a3b", seq=4096), name="qwen3_moe")
+    llama = tmp_path / "llama.json"
+    llama.write_text(json.dumps({"model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32,
+                                 "num_attention_heads": 32, "num_key_value_heads": 8,
+                                 "intermediate_size": 14336, "vocab_size": 128256}))  # fmt: skip
+    assert shape_from_hf_config(llama) == replace(load_shape("llama3-8b"), name="llama")
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({**QWEN3_MOE_CONFIG, "model_type": "deepseek_v3", "kv_lora_rank": 512}, "latent attention"),
+        ({"model_type": "t5", "d_model": 512, "num_heads": 8, "vocab_size": 32128,
+          "is_encoder_decoder": True},
+         "not a decoder actplan can lay out \\(model_type 't5'; missing num_hidden_layers"),
+        ({"model_type": "llama", "hidden_size": 64}, "missing num_hidden_layers, num_attention_heads"),
+    ],
+)  # fmt: skip
+def test_a_config_that_is_not_a_decoder_actplan_lays_out_is_refused(tmp_path, config, message):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=message):
+        shape_from_hf_config(path)
+
+
+def test_out_writes_the_plan_for_the_budget_with_what_it_was_made_for(tmp_path, capsys):
+    plan = tmp_path / "plan.yaml"
+    args = ["estimate", "--model", "dense", "--layers", "2", "--hidden", "64", "--heads", "4", "--quiet"]
+    args += [
+        "--kv-heads",
+        "2",
+        "--ffn",
+        "128",
+        "--vocab",
+        "128",
+        "--seq",
+        "32",
+        "--batch",
+        "2",
+        "--fsdp",
+        "2",
+    ]
+    assert main([*args, "--presets", "none,full", "--budget", "1GiB", "--out", str(plan)]) == 0
+    text = plan.read_text()
+    assert text.startswith("# actplan estimate plan for custom: dense, 2 layers")
+    assert RecomputeConfig.from_yaml(text).mode in ("none", "full", "selective")
+    assert "plan @ 1.000 GiB" in capsys.readouterr().out

@@ -1,6 +1,6 @@
-"""``actplan estimate``: memory per GPU and estimated step time of each preset at a real shape,
-on fake tensors, before renting the hardware. Imports ``actplan.evaluate.estimate`` and the
-CLI's helpers."""
+"""``actplan estimate``: memory per GPU and estimated step time of each preset and plan at a
+real shape and parallel layout, on fake tensors, before renting the hardware. Imports
+``actplan.planning.estimate``, the shapes and the CLI's helpers."""
 
 from __future__ import annotations
 
@@ -18,19 +18,24 @@ _MOE_FLAGS = ("experts", "top_k", "expert_ffn", "shared_ffn", "first_k_dense")
 
 
 def shape_from_args(args: argparse.Namespace):
-    """``--shape NAME`` with any flag overriding it, or ``--model`` with every number given."""
-    from actplan.evaluate.estimate import Shape, load_shape, shape_names
+    """``--shape NAME`` or ``--hf-config PATH`` with any flag overriding it, or ``--model`` with
+    every number given."""
+    from actplan.models.shape import Shape, load_shape, shape_from_hf_config, shape_names
 
-    given = {name: getattr(args, name) for name in (*_SHAPE_FLAGS, *_MOE_FLAGS)}
+    given = {name: getattr(args, name) for name in (*_SHAPE_FLAGS, *_MOE_FLAGS, "head_dim")}
     given |= {"seq": args.seq, "batch": args.batch, "dtype": args.dtype}
+    sources = [flag for flag, value in (("--shape", args.shape), ("--hf-config", args.hf_config),
+                                         ("--model", args.model)) if value]  # fmt: skip
+    if len(sources) > 1:
+        raise ValueError(f"give one of {', '.join(sources)}, not several (each names the model)")
     if args.shape:
-        if args.model:
-            raise ValueError("give --shape or --model, not both (a shape names its model)")
         return load_shape(args.shape, **given)
+    if args.hf_config:
+        return shape_from_hf_config(args.hf_config, **given)
     if not args.model:
         raise ValueError(
-            f"give --shape NAME ({', '.join(shape_names())}) or --model dense|moe with "
-            "--layers --hidden --heads --kv-heads --ffn --vocab"
+            f"give --shape NAME ({', '.join(shape_names())}), --hf-config PATH, or --model dense|moe "
+            "with --layers --hidden --heads --kv-heads --ffn --vocab"
         )
     missing = [f"--{name.replace('_', '-')}" for name in _SHAPE_FLAGS if given[name] is None]
     if missing:
@@ -41,16 +46,27 @@ def shape_from_args(args: argparse.Namespace):
 
 
 def estimate(args: argparse.Namespace, console: Console) -> int:
-    from actplan.evaluate.estimate import estimate as run_estimate
+    from actplan.planning.estimate import estimate as run_estimate
 
     shape = shape_from_args(args)
+    shape.per_rank(args.tp, args.ep)  # a layout that does not divide fails before any work
     budget = None if args.budget is None else parse_bytes(args.budget)
     if budget is not None and budget < 2**20:
         raise ValueError(f"--budget {args.budget!r} is under 1 MiB; write it with a unit, e.g. '80GiB'")
+    if args.out and budget is None:
+        raise ValueError("--out writes the plan for --budget; give --budget too (e.g. --budget 72GiB)")
     presets = [name.strip() for name in args.presets.split(",") if name.strip()]
     progress = None if args.quiet else (lambda line: console.print(f"[dim]{line}[/]"))
     result = run_estimate(
-        shape, presets, gpu=args.gpu, fsdp=args.fsdp, budget_bytes=budget, progress=progress
+        shape,
+        presets,
+        gpu=args.gpu,
+        fsdp=args.fsdp,
+        tp=args.tp,
+        ep=args.ep,
+        budget_bytes=budget,
+        plans=args.plan or bool(args.out),
+        progress=progress,
     )
     console.print(estimate_table(result))
     for note in result.notes:
@@ -58,11 +74,21 @@ def estimate(args: argparse.Namespace, console: Console) -> int:
     best = result.recommended
     if budget is not None:
         if best is None:
-            console.print(f"[red]no preset fits {args.budget}[/]: shard further (--fsdp) or shorten --seq")
+            console.print(
+                f"[red]nothing fits {args.budget}[/]: shard further (--fsdp, --tp) or shorten --seq"
+            )
         else:
             console.print(
-                f"fastest preset under {args.budget}: {best.preset} (estimated {best.ratio_to_none:.3f}x)"
+                f"fastest under {args.budget}: {best.preset} (estimated {best.ratio_to_none:.3f}x)"
             )
+    if args.out:
+        plan = next((row for row in result.plans if row.fits), None)
+        if plan is None:
+            console.print(f"[red]no plan written[/]: no plan fits {args.budget}")
+        else:
+            header = f"actplan estimate plan for {result.description}; {result.gpu}, FSDP {result.fsdp}"
+            text = "".join(f"# {line}\n" for line in header.splitlines()) + plan.plan_yaml
+            write_output(args.out, text, console)
     if args.json:
         write_output(args.json, json.dumps(result.to_dict(), indent=2) + "\n", console)
     return 0 if budget is None or best is not None else 1
@@ -72,14 +98,19 @@ def estimate_table(result) -> Table:
     gib = 2**30
     table = Table(
         title=f"{result.description}\n{result.gpu}, FSDP over {result.fsdp}: "
-        f"{result.parameters / 1e9:.2f} B parameters, static {result.static_bytes / gib:.1f} GiB "
-        f"+ gathered {result.gathered_bytes / gib:.1f} GiB per GPU",
+        f"{result.parameters / 1e9:.2f} B parameters on this rank, static {result.static_bytes / gib:.1f} "
+        f"GiB + gathered {result.gathered_bytes / gib:.1f} GiB per GPU",
         caption=f"estimated on fake tensors in {result.seconds_taken:.0f} s; times are estimates",
     )
-    for header in ("preset", "activations (end of fwd)", "step peak", "peak per GPU", "est. step", "vs none"):
-        table.add_column(header, justify="left" if header == "preset" else "right")
-    if result.budget_bytes is not None:
-        table.add_column(f"fits {result.budget_bytes / gib:.0f} GiB", justify="center")
+    headers = ["preset / plan", "activations (end of fwd)", "step peak", "peak per GPU"]
+    headers += ["est. step", "vs none"]
+    plans = bool(result.plans)
+    if plans:
+        headers += ["planner predicted"]
+    for header in headers:
+        table.add_column(header, justify="left" if header == "preset / plan" else "right")
+    if result.budget_bytes is not None or plans:
+        table.add_column("fits", justify="center")
     for row in result.rows:
         cells = [
             row.preset,
@@ -89,7 +120,13 @@ def estimate_table(result) -> Table:
             f"{row.seconds * 1e3:,.0f} ms",
             "-" if row.ratio_to_none is None else f"{row.ratio_to_none:.3f}x",
         ]
-        if result.budget_bytes is not None:
-            cells.append("yes" if row.fits else "no")
+        if plans:
+            cells.append(
+                "-"
+                if row.predicted_peak_bytes is None
+                else f"{row.predicted_peak_bytes / gib:,.2f} GiB, {row.predicted_ratio:.3f}x"
+            )
+        if result.budget_bytes is not None or plans:
+            cells.append("-" if row.fits is None else ("yes" if row.fits else "no"))
         table.add_row(*cells)
     return table

@@ -103,13 +103,15 @@ def _add_estimate(sub) -> None:
 
     parser = sub.add_parser(
         "estimate",
-        help="memory per GPU and estimated step time of each preset at a real shape (fake tensors)",
+        help="does it fit, and with which plan: memory per GPU and estimated step time of each "
+        "preset and plan at a real shape and layout (fake tensors, a roofline clock)",
     )
-    parser.add_argument("--shape", help="a shipped shape: llama3-8b, llama3-70b, mixtral-8x7b")
+    parser.add_argument("--shape", help="a shipped shape (llama3-8b, llama3-70b, mixtral-8x7b, ...)")
+    parser.add_argument("--hf-config", metavar="PATH", help="a local Hugging Face config.json or its folder")
     parser.add_argument(
         "--model", choices=("dense", "moe"), help="the reference model, with every number below"
     )
-    for name in ("layers", "hidden", "heads", "kv-heads", "ffn", "vocab"):
+    for name in ("layers", "hidden", "heads", "kv-heads", "head-dim", "ffn", "vocab"):
         parser.add_argument(f"--{name}", type=int, help=f"{name.replace('-', ' ')} (overrides the shape's)")
     for name in ("experts", "top-k", "expert-ffn", "shared-ffn", "first-k-dense"):
         parser.add_argument(f"--{name}", type=int, help=f"MoE: {name.replace('-', ' ')}")
@@ -120,10 +122,21 @@ def _add_estimate(sub) -> None:
         "--gpu", default="h100", choices=sorted(ACCELERATORS), help="accelerator for the time estimate"
     )
     parser.add_argument("--fsdp", type=int, default=1, help="FSDP ranks the static memory is sharded over")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (with sequence parallel)")
+    parser.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (taken from the FSDP ones)")
     parser.add_argument(
         "--presets", default="none,full,attn,matmuls,megatron-selective", help="comma-separated presets"
     )
-    parser.add_argument("--budget", help="memory per GPU with a unit ('80GiB'): which presets fit")
+    parser.add_argument(
+        "--budget", help="memory per GPU with a unit ('80GiB'): which presets fit, and the plan for it"
+    )
+    parser.add_argument(
+        "--plan",
+        action="store_true",
+        help="also profile and plan on fake tensors: the plan for --budget, or plans at three "
+        "budgets across the feasible range",
+    )
+    parser.add_argument("--out", metavar="PATH", help="write the plan for --budget (implies --plan)")
     parser.add_argument("--json", metavar="PATH", help="write the estimate as JSON")
     parser.add_argument("--quiet", action="store_true", help="no progress lines")
     parser.set_defaults(run=estimate)

@@ -10,7 +10,14 @@ fake tensors), ``_roofline`` (estimated time on a named accelerator), ``_countin
 from __future__ import annotations
 
 from actplan.measure._counting import OpCounter
-from actplan.measure._fake import FakeRun, FakeValueError, RoutingRecorder, balanced_counts
+from actplan.measure._fake import (
+    FakeRun,
+    FakeValueError,
+    RoutingRecorder,
+    balanced_counts,
+    copy_module,
+    is_fake,
+)
 from actplan.measure._memory import (
     MarkSample,
     MemoryMeter,
@@ -49,7 +56,9 @@ __all__ = [
     "balanced_counts",
     "capture_step",
     "compare_steps",
+    "copy_module",
     "grad_census",
     "interleaved_timing",
+    "is_fake",
     "ratio",
 ]

@@ -23,10 +23,12 @@ Imports torch only.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import torch
+from torch import nn
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
     DynamicOutputShapeException,
@@ -35,7 +37,7 @@ from torch._subclasses.fake_tensor import (
 )
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
-__all__ = ["FakeRun", "FakeValueError", "RoutingRecorder", "balanced_counts", "is_fake"]
+__all__ = ["FakeRun", "FakeValueError", "RoutingRecorder", "balanced_counts", "copy_module", "is_fake"]
 
 
 class FakeValueError(RuntimeError):
@@ -44,6 +46,34 @@ class FakeValueError(RuntimeError):
 
 def is_fake(tensor: object) -> bool:
     return isinstance(tensor, FakeTensor)
+
+
+_Module = TypeVar("_Module", bound=nn.Module)
+
+
+def copy_module(module: _Module) -> _Module:
+    """``copy.deepcopy(module)``, also when its tensors are fake: ``deepcopy`` of a fake tensor
+    makes one of a new fake mode, which cannot meet the running one's tensors. Fake parameters,
+    buffers and tensor attributes are cloned in the running mode first; a real module is
+    deep-copied as it is."""
+    tensors: dict[int, torch.Tensor] = {}
+    for m in module.modules():
+        for value in (*m._parameters.values(), *m._buffers.values(), *vars(m).values()):
+            if isinstance(value, torch.Tensor):
+                tensors.setdefault(id(value), value)
+    if not any(is_fake(t) for t in tensors.values()):
+        return copy.deepcopy(module)
+    memo: dict[int, Any] = {}
+    with torch.no_grad():
+        for key, tensor in tensors.items():
+            if isinstance(tensor, nn.Parameter):
+                copied = nn.Parameter(tensor.detach().clone(), requires_grad=tensor.requires_grad)
+                if tensor.grad is not None:
+                    copied.grad = tensor.grad.detach().clone()
+            else:
+                copied = tensor.detach().clone().requires_grad_(tensor.requires_grad)
+            memo[key] = copied
+    return copy.deepcopy(module, memo)
 
 
 def balanced_counts(total: int, bins: int) -> list[int]:

@@ -40,16 +40,19 @@ class DenseConfig:
     # Shape of the batches ``make_batch`` draws.
     batch_size: int = 2
     seq_len: int = 256
+    # A head size apart from dim / n_heads (Qwen3 has 32 heads of 128 on dim 2048; one rank of
+    # a tensor-parallel group holds n_heads / tp heads of the model's size). None: dim / n_heads.
+    attn_head_dim: int | None = None
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        return self.attn_head_dim or self.dim // self.n_heads
 
     def __post_init__(self) -> None:
-        if self.dim % self.n_heads or self.n_heads % self.n_kv_heads:
+        if (self.attn_head_dim is None and self.dim % self.n_heads) or self.n_heads % self.n_kv_heads:
             raise ValueError(
-                f"dim ({self.dim}) must divide by n_heads ({self.n_heads}) and n_heads by "
-                f"n_kv_heads ({self.n_kv_heads})"
+                f"dim ({self.dim}) must divide by n_heads ({self.n_heads}) (or give attn_head_dim) "
+                f"and n_heads by n_kv_heads ({self.n_kv_heads})"
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim ({self.head_dim}) must be even for rotary embeddings")

@@ -46,6 +46,10 @@ class MoEConfig(DenseConfig):
     first_k_dense: int = 1
     router: Literal["softmax", "sigmoid"] = "softmax"
     aux_loss_coef: float = 0.01
+    # One rank of an expert-parallel group of this size, run alone (the estimate's layout): it
+    # holds n_experts / simulated_ep experts and, routing balanced, receives as many token
+    # slots as it sends; the exchange is a copy where the all-to-all would be.
+    simulated_ep: int = 1
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -53,6 +57,11 @@ class MoEConfig(DenseConfig):
             raise ValueError(f"top_k ({self.top_k}) must be between 1 and n_experts ({self.n_experts})")
         if self.router not in ("softmax", "sigmoid"):
             raise ValueError(f"router must be 'softmax' or 'sigmoid', got {self.router!r}")
+        if self.simulated_ep < 1 or self.n_experts % self.simulated_ep:
+            raise ValueError(
+                f"simulated_ep ({self.simulated_ep}) must be 1 or more and divide "
+                f"n_experts ({self.n_experts})"
+            )
         if not 0 <= self.first_k_dense <= self.n_layers:
             raise ValueError(
                 f"first_k_dense ({self.first_k_dense}) must be within 0..n_layers ({self.n_layers})"
@@ -106,9 +115,10 @@ class MoELayerOutput(TypedDict):
 class ExpertGroup:
     """Which experts this rank holds, and the process group that shares them out."""
 
-    def __init__(self, n_experts: int, group: dist.ProcessGroup | None = None) -> None:
+    def __init__(self, n_experts: int, group: dist.ProcessGroup | None = None, simulated: int = 1) -> None:
         self.group = group
-        self.size = dist.get_world_size(group) if group is not None else 1
+        # Without a group, `simulated` > 1 is rank 0 of a group that size, run alone.
+        self.size = dist.get_world_size(group) if group is not None else simulated
         self.rank = dist.get_rank(group) if group is not None else 0
         if n_experts % self.size:
             raise ValueError(
@@ -235,6 +245,10 @@ class MoE(nn.Module):
         ep = self.ep
         if ep.size == 1:
             return rows, counts.tolist(), None
+        if ep.group is None:  # simulated: balanced routing sends and receives as many slots
+            share, extra = divmod(rows.shape[0], ep.n_local)
+            local = [share + (e < extra) for e in range(ep.n_local)]
+            return rows.clone(), local, "simulated"
         from torch.distributed import _functional_collectives as fc
 
         send = counts.view(ep.size, ep.n_local)  # [destination rank, its local expert]
@@ -259,6 +273,8 @@ class MoE(nn.Module):
         """Send expert outputs back to the ranks their tokens came from."""
         if exchange is None:
             return expert_out
+        if exchange == "simulated":
+            return expert_out.clone()
         from torch.distributed import _functional_collectives as fc
 
         by_expert, input_splits, output_splits = exchange
@@ -296,7 +312,7 @@ class MoEModel(nn.Module):
     def __init__(self, config: MoEConfig, ep_group: dist.ProcessGroup | None = None) -> None:
         super().__init__()
         self.config = config
-        self.expert_group = ExpertGroup(config.n_experts, ep_group)
+        self.expert_group = ExpertGroup(config.n_experts, ep_group, config.simulated_ep)
         self.embed = nn.Embedding(config.vocab_size, config.dim)
         self.layers = nn.ModuleList(
             DecoderLayer(config) if i < config.first_k_dense else MoEDecoderLayer(config, self.expert_group)

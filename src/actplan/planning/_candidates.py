@@ -15,6 +15,7 @@ from torch import nn
 from actplan._engine.offload import quiet_empty_offload
 from actplan._install.apply import interval_map_of
 from actplan.config import PRESETS, preset_kept_units
+from actplan.measure import RooflineClock, is_fake
 from actplan.planning._isolated import IsolatedLayer
 from actplan.planning._records import CandidateProfile
 
@@ -143,9 +144,12 @@ def profile_layer_type(
     bandwidth: dict[str, float],
     overlap: bool,
     say: Callable[[str], None],
+    clock: RooflineClock | None = None,
 ) -> list[CandidateProfile]:
-    """The layer type's candidates; ``say`` is called ``layer_type_steps(layer)`` times."""
-    isolated = IsolatedLayer(layer, args, kwargs, min_bytes)
+    """The layer type's candidates; ``say`` is called ``layer_type_steps(layer)`` times. With
+    ``clock``, times are its estimates; on fake tensors offload is not profiled (its copies
+    need values), so no offloaded variant is offered."""
+    isolated = IsolatedLayer(layer, args, kwargs, min_bytes, clock)
     declared = [u.value for u in interval_map_of(layer).units]
     candidates = _Candidates(isolated)
     full = _presets(candidates, declared)
@@ -157,6 +161,7 @@ def profile_layer_type(
     isolated.forget(chosen)
     say("timing")
     found = dict(candidates.chosen)
-    _offloaded_variants(isolated, found, bandwidth, overlap)
+    if not any(is_fake(p) for p in layer.parameters()):
+        _offloaded_variants(isolated, found, bandwidth, overlap)
     say("offload")
     return list(found.values())

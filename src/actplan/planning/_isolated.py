@@ -1,6 +1,7 @@
 """One layer run alone: its inputs captured from a real forward (``capture_layer_inputs``),
 then, per candidate, metered and timed in isolation (``IsolatedLayer``) until the timing
-settles (``SETTLED_SHARE``).
+settles (``SETTLED_SHARE``), or, with a ``RooflineClock``, clocked once: on a named
+accelerator's estimate (fake tensors have no time of their own).
 
 Private to the profiler. Imports torch, ``apply`` and the install helpers, the
 meters, the markers, ``actplan._storage`` and the profile records.
@@ -8,7 +9,7 @@ meters, the markers, ``actplan._storage`` and the profile records.
 
 from __future__ import annotations
 
-import copy
+import contextlib
 import functools
 import hashlib
 import json
@@ -26,7 +27,7 @@ from actplan._install.apply import apply, find_layers, offload_engine
 from actplan._storage import owned_storages, storage_key
 from actplan.config import RecomputeConfig
 from actplan.markers import routing_markers
-from actplan.measure import MemoryMeter, interleaved_timing
+from actplan.measure import MemoryMeter, RooflineClock, copy_module, interleaved_timing
 from actplan.planning._records import CandidateProfile
 
 
@@ -110,8 +111,17 @@ class _Activation:
 class IsolatedLayer:
     """One layer type's representative, run alone on captured inputs under a candidate."""
 
-    def __init__(self, layer: nn.Module, args: tuple, kwargs: dict, min_bytes: int) -> None:
+    def __init__(
+        self,
+        layer: nn.Module,
+        args: tuple,
+        kwargs: dict,
+        min_bytes: int,
+        clock: RooflineClock | None = None,
+    ) -> None:
         self.layer = layer
+        # Times from this clock (one run each: an estimate has no noise) instead of the timer.
+        self.clock = clock
         self.device = next((p.device for p in layer.parameters()), torch.device("cpu"))
         # Prepared layers by candidate, and whether they have run a whole step.
         self._ready: dict[tuple[str, tuple[str, ...], bool], tuple[nn.Module, bool]] = {}
@@ -149,7 +159,7 @@ class IsolatedLayer:
         return self.layer(*args, **kwargs)
 
     def prepared(self, candidate: CandidateProfile) -> nn.Module:
-        layer = copy.deepcopy(self.layer)
+        layer = copy_module(self.layer)
         config: dict[str, Any] = candidate.config_choice()
         if candidate.offload:
             config["offload"] = {"layer_input": True, "layers": "all", "min_bytes": self.min_bytes}
@@ -244,15 +254,20 @@ class IsolatedLayer:
                 opens.setdefault(span.start, []).append((name, span.end))
                 closes.setdefault(span.end, []).append((name, span.start))
         synchronize = self.device.type == "cuda"
+        clock = self.clock
         samples: dict[str, list[float]] = {unit: [] for unit in units}
-        for _ in range(3):
+        for _ in range(1 if clock is not None else 3):
             started: dict[tuple[str, str], float] = {}
             spent = dict.fromkeys(units, 0.0)
 
             def sink(marker: str, started=started, spent=spent) -> None:
-                if synchronize:
+                if clock is not None:
+                    now = clock.seconds  # the estimate so far: its differences are the intervals'
+                elif synchronize:
                     torch.cuda.synchronize(self.device)
-                now = time.perf_counter()
+                    now = time.perf_counter()
+                else:
+                    now = time.perf_counter()
                 for name, start in closes.get(marker, ()):
                     begun = started.pop((name, start), None)
                     if begun is not None and name in spent:
@@ -260,7 +275,7 @@ class IsolatedLayer:
                 for name, _ in opens.get(marker, ()):
                     started[(name, marker)] = now
 
-            with routing_markers(sink):
+            with routing_markers(sink), clock if clock is not None else contextlib.nullcontext():
                 self.step(layer, backward=False)
             for unit in units:
                 samples[unit].append(spent[unit])
@@ -271,6 +286,9 @@ class IsolatedLayer:
         median of per-round differences. At least 3 rounds (fewer if ``repeats`` says so),
         more, up to ``repeats``, while some difference is still unsettled (``_settled``)."""
         layers = {c.name: self._warm(c) for c in candidates}
+        if self.clock is not None:
+            self._clock_time(candidates, layers)
+            return
         timings = interleaved_timing(
             {name: (lambda layer=layer: self.step(layer)) for name, layer in layers.items()},
             repeats=min(3, repeats),
@@ -285,6 +303,18 @@ class IsolatedLayer:
             paired = sorted(a - b for a, b in zip(own.samples, reference.samples, strict=True))
             # More recompute is never cheaper: a negative difference is timer noise.
             c.extra_seconds = max(paired[len(paired) // 2], 0.0) if c.name != "none" else 0.0
+
+    def _clock_time(self, candidates: list[CandidateProfile], layers: dict[str, nn.Module]) -> None:
+        """Each candidate's step on the clock: its estimate, and its difference to ``none``'s."""
+        clock = self.clock
+        for c in candidates:
+            clock.reset()
+            with clock:
+                self.step(layers[c.name])
+            c.layer_seconds = clock.seconds
+        reference = next(c for c in candidates if c.name == "none").layer_seconds
+        for c in candidates:
+            c.extra_seconds = max(c.layer_seconds - reference, 0.0) if c.name != "none" else 0.0
 
 
 # Timing stops once every candidate's difference to `none` is known to this share of

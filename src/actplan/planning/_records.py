@@ -197,6 +197,8 @@ class ModelProfile:
     # Offload's prefetch depth the plans are written with (OffloadConfig's default).
     prefetch_layers: int = 1
     seconds_spent: float = 0.0
+    # The accelerator whose roofline clock gave every time (estimates), or None: timed here.
+    roofline_gpu: str | None = None
 
     def type_of(self, index: int) -> LayerTypeProfile:
         key = self.layer_type_of[index]

@@ -23,11 +23,17 @@ __all__ = ["cache_key", "default_cache_dir", "get_profile", "load_cached", "stor
 
 
 def cache_key(
-    bundle: ModelBundle, spec: str, device: torch.device, min_bytes: int, bandwidth: float | None = None
+    bundle: ModelBundle,
+    spec: str,
+    device: torch.device,
+    min_bytes: int,
+    bandwidth: float | None = None,
+    gpu: str | None = None,
 ) -> str:
     """A digest of everything a profile depends on: model spec, parameter and batch shapes and
     dtypes, device type, torch version, offload threshold, a forced copy bandwidth (``None``:
-    measured) and this file's format."""
+    measured), the accelerator whose roofline clock gave the times (``None``: timed) and this
+    file's format."""
     batch = bundle.make_batch(0)
     described = {
         "spec": spec,
@@ -38,6 +44,7 @@ def cache_key(
         "min_bytes": min_bytes,
         "format": PROFILE_FORMAT,
         **({"bandwidth": bandwidth} if bandwidth is not None else {}),
+        **({"roofline": gpu} if gpu is not None else {}),
     }
     return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:20]
 

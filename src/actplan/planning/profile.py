@@ -32,7 +32,6 @@ models' step and the planning package's own modules.
 
 from __future__ import annotations
 
-import copy
 import functools
 import time
 from collections.abc import Callable
@@ -44,7 +43,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from actplan._install.apply import apply, find_layers
-from actplan.measure import MemoryMeter, interleaved_timing
+from actplan.measure import MemoryMeter, RooflineClock, copy_module, interleaved_timing
 from actplan.models import ModelBundle, loss_of, train_step
 from actplan.planning._candidates import layer_type_steps, profile_layer_type
 from actplan.planning._isolated import capture_layer_inputs, tight
@@ -138,7 +137,7 @@ def _preset_run(
     """A copy of ``model`` under ``preset``: its AdamW state made by a warm-up step (or loaded
     from ``warmed_state``), then a metered step and a metered optimizer step. Returns the run
     and the optimizer state, for the next preset."""
-    plain = copy.deepcopy(model)
+    plain = copy_module(model)
     apply(plain, preset)
     optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-4, foreach=False)
     if warmed_state is None:
@@ -177,15 +176,31 @@ class _WholeModel:
 
 
 def _whole_model(
-    model: nn.Module, batch: dict, layers: int, repeats: int, say: Callable[[str], None]
+    model: nn.Module,
+    batch: dict,
+    layers: int,
+    repeats: int,
+    say: Callable[[str], None],
+    clock: RooflineClock | None,
 ) -> _WholeModel:
-    """Fixed costs, step time and peaks of ``none`` and ``full``, from whole-model steps."""
+    """Fixed costs, step time and peaks of ``none`` and ``full``, from whole-model steps; the
+    step time from ``clock`` when given."""
     runs: dict[str, _PresetRun] = {}
     warmed_state = None
     for preset in ("none", "full"):
         runs[preset], warmed_state = _preset_run(model, preset, batch, layers, warmed_state)
         say(f"model step {preset}")
     none = runs["none"]
+    if clock is not None:
+        # Forward and backward: an estimate's step, as its rows are (the optimizer step of a
+        # sharded model is not this one's).
+        clock.reset()
+        torch.manual_seed(0)
+        with clock:
+            loss_of(none.model(**batch)).backward()
+        none.optimizer.zero_grad(set_to_none=True)
+        say("model timing")
+        return _WholeModel(runs, clock.seconds)
     # The model has run two steps already (warm-up and metered): no warm-up round here.
     timing = interleaved_timing(
         {"none": lambda: train_step(none.model, batch, none.optimizer, seed=0)},
@@ -206,9 +221,11 @@ def _layer_types(
     repeats: int,
     bandwidth: float | None,
     tracker: ProgressTracker,
+    clock: RooflineClock | None,
 ) -> tuple[list[str], dict[str, LayerTypeProfile], dict[str, float], bool]:
     """Each layer's type key, and each type's candidates, measured on its first layer's
-    captured inputs; with the copy bandwidth and overlap that charged offload."""
+    captured inputs; with the copy bandwidth and overlap that charged offload (with a
+    ``clock``: its accelerator's host link, copies overlapped as on any GPU)."""
     layers = find_layers(model)
     captured = capture_layer_inputs(model, batch)
     first_of_type = {}
@@ -216,12 +233,14 @@ def _layer_types(
         first_of_type.setdefault(type_key, layer)
     # Now the layer types are known exactly (the estimate went by class).
     tracker.total = tracker.done + sum(layer_type_steps(layer) for layer in first_of_type.values())
+    if bandwidth is None and clock is not None:
+        bandwidth = clock.accelerator.host_link_bytes_per_s
     bw = (
         {"device_to_host": bandwidth, "host_to_device": bandwidth}
         if bandwidth is not None
         else copy_bandwidth(device)
     )
-    overlap = device.type == "cuda"
+    overlap = device.type == "cuda" or clock is not None
     types: dict[str, LayerTypeProfile] = {}
     for index, ((_, layer), (type_key, args, kwargs)) in enumerate(zip(layers, captured, strict=True)):
         if type_key in types:
@@ -230,7 +249,7 @@ def _layer_types(
         types[type_key] = LayerTypeProfile(type_key, type(layer).__name__, [index], [])
         say = functools.partial(_say_for, tracker.step, type(layer).__name__)
         types[type_key].candidates = profile_layer_type(
-            layer, args, kwargs, min_bytes, repeats, bw, overlap, say
+            layer, args, kwargs, min_bytes, repeats, bw, overlap, say, clock
         )
     return [key for key, _, _ in captured], types, bw, overlap
 
@@ -282,17 +301,22 @@ def profile_model(
     min_bytes: int = DEFAULT_OFFLOAD_MIN_BYTES,
     bandwidth: float | None = None,
     progress: ProgressCallback | None = None,
+    gpu: str | None = None,
 ) -> ModelProfile:
     """Measure every layer type's candidates and the model's fixed costs (see the module doc).
 
     ``bandwidth`` (bytes/s each way) replaces the measured copy bandwidth in offload's charge.
     ``progress`` receives a ``ProgressEvent`` as each stage completes (default: the
-    ``actplan`` logger at INFO).
+    ``actplan`` logger at INFO). ``gpu`` (a name in ``measure.ACCELERATORS``) takes every time
+    from that accelerator's roofline clock instead of timing this machine: the way to profile
+    on fake tensors (``measure.FakeRun``), where memory is exact and time does not exist.
     """
     started = time.perf_counter()
     tracker = ProgressTracker(progress, total=_MODEL_STEPS, prefix="profiling: ")
-    key = cache_key(bundle, spec, device, min_bytes, bandwidth)
-    model = copy.deepcopy(bundle.model).to(device)
+    clock = RooflineClock(gpu) if gpu is not None else None
+    gpu_name = None if clock is None else clock.accelerator.name
+    key = cache_key(bundle, spec, device, min_bytes, bandwidth, gpu_name)
+    model = copy_module(bundle.model).to(device)
     batch = bundle.batch(0, device)
     layers = find_layers(model)
     if not layers:
@@ -303,13 +327,15 @@ def profile_model(
     by_class = {type(layer): layer for _, layer in reversed(layers)}
     tracker.expect(sum(layer_type_steps(layer) for layer in by_class.values()))
 
-    whole = _whole_model(model, batch, len(layers), repeats, tracker.step)
+    whole = _whole_model(model, batch, len(layers), repeats, tracker.step, clock)
     layer_grads = [
         sum(p.numel() * p.element_size() for p in layer.parameters() if p.requires_grad)
         for _, layer in layers
     ]
     all_grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    type_of, types, bw, overlap = _layer_types(model, batch, device, min_bytes, repeats, bandwidth, tracker)
+    type_of, types, bw, overlap = _layer_types(
+        model, batch, device, min_bytes, repeats, bandwidth, tracker, clock
+    )
     none, full = whole["none"], whole["full"]
     profile = ModelProfile(
         model=bundle.description,
@@ -330,6 +356,7 @@ def profile_model(
         min_bytes=min_bytes,
         layer_types=list(types.values()),
         layer_type_of=type_of,
+        roofline_gpu=gpu_name,
     )
     _calibrate(profile, whole)
     profile.seconds_spent = time.perf_counter() - started

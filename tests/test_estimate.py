@@ -14,7 +14,7 @@ import torch
 from actplan.cli import main
 from actplan.config import RecomputeConfig
 from actplan.models.shape import Shape, load_shape, shape_from_hf_config, shape_names
-from actplan.planning.estimate import estimate, preset_step
+from actplan.planning.estimate import estimate, preset_step, stack_step
 
 SMALL = Shape(layers=2, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=128, seq=32, batch=2, dtype="fp32")
 SMALL_MOE = Shape(
@@ -251,3 +251,18 @@ def test_out_writes_the_plan_for_the_budget_with_what_it_was_made_for(tmp_path, 
     assert text.startswith("# actplan estimate plan for custom: dense, 2 layers")
     assert RecomputeConfig.from_yaml(text).mode in ("none", "full", "selective")
     assert "plan @ 1.000 GiB" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("preset", ["none", "full", "matmuls"])
+@pytest.mark.parametrize(
+    "shape", [replace(SMALL, layers=6), replace(SMALL_MOE, layers=6)], ids=["dense", "moe"]
+)
+def test_a_deep_stack_carried_on_from_three_shallow_ones_is_the_deep_stack_stepped(shape, preset):
+    carried, sizes = stack_step(shape, preset, "h100")
+    stepped, real_sizes = preset_step(shape, preset, "h100", fake=False)
+    assert (carried.activation_bytes, carried.step_peak_bytes, carried.flops) == (
+        stepped.activation_bytes,
+        stepped.step_peak_bytes,
+        stepped.flops,
+    )
+    assert carried.seconds == pytest.approx(stepped.seconds, rel=1e-9) and sizes == real_sizes

@@ -52,7 +52,7 @@ from actplan.planning.planner import BudgetError, minimum_peak, none_peak, solve
 from actplan.planning.profile import profile_model
 from actplan.sizes import human_bytes
 
-__all__ = ["EstimateResult", "EstimateRow", "estimate", "preset_step"]
+__all__ = ["EstimateResult", "EstimateRow", "estimate", "preset_step", "stack_step"]
 
 
 @dataclass
@@ -170,6 +170,52 @@ def preset_step(
     return row, sizes
 
 
+def _extrapolated(values: Sequence[float], depths: Sequence[int], layers: int) -> float | None:
+    """``values`` at three consecutive ``depths`` carried on to ``layers``, when they grow by the
+    same step each layer (exactly, for integers); ``None`` when they do not."""
+    first, second = values[1] - values[0], values[2] - values[1]
+    exact = all(isinstance(v, int) for v in values)
+    if (first != second) if exact else abs(first - second) > 1e-9 * max(abs(v) for v in values):
+        return None
+    return values[0] + first * (layers - depths[0])
+
+
+def stack_step(
+    shape: Shape, preset: str | RecomputeConfig, gpu: str, fake: bool = True
+) -> tuple[EstimateRow, _Sizes]:
+    """``preset_step`` of a deep stack from three shallow ones: a shape's layers past its dense
+    prefix are alike, so every figure (bytes at the end of forward and at the peak, FLOPs,
+    seconds, parameters) grows by the same step per layer. Measured at three depths; when
+    the two steps agree, carried on to the full depth; otherwise (or for a shallow stack, or
+    a per-layer config) the full stack is stepped."""
+    prefix = shape.first_k_dense or 0
+    depths = [prefix + 1, prefix + 2, prefix + 3]
+    if shape.layers <= depths[-1] + 1 or not isinstance(preset, str):
+        return preset_step(shape, preset, gpu, fake)
+    shallow = [preset_step(replace(shape, layers=depth), preset, gpu, fake) for depth in depths]
+    rows, sizes = [row for row, _ in shallow], [size for _, size in shallow]
+    figures = {
+        "activation_bytes": [row.activation_bytes for row in rows],
+        "step_peak_bytes": [row.step_peak_bytes for row in rows],
+        "flops": [row.flops for row in rows],
+        "seconds": [row.seconds for row in rows],
+        "parameters": [size.parameters for size in sizes],
+        "expert_parameters": [size.expert_parameters for size in sizes],
+    }
+    carried = {name: _extrapolated(values, depths, shape.layers) for name, values in figures.items()}
+    if any(value is None for value in carried.values()) or len({s.largest_unit for s in sizes}) > 1:
+        return preset_step(shape, preset, gpu, fake)
+    row = replace(
+        rows[0],
+        activation_bytes=int(carried["activation_bytes"]),
+        step_peak_bytes=int(carried["step_peak_bytes"]),
+        flops=int(carried["flops"]),
+        seconds=float(carried["seconds"]),
+    )
+    size = _Sizes(int(carried["parameters"]), int(carried["expert_parameters"]), sizes[0].largest_unit)
+    return row, size
+
+
 def _plans(
     shape: Shape,
     gpu: str,
@@ -247,10 +293,10 @@ def estimate(
     sizes = None
     for preset in presets:
         say(f"estimating {preset} on fake tensors")
-        row, sizes = preset_step(rank_shape, preset, accel.name)
+        row, sizes = stack_step(rank_shape, preset, accel.name)
         rows.append(row)
     if sizes is None:
-        _, sizes = preset_step(rank_shape, "full", accel.name)
+        _, sizes = stack_step(rank_shape, "full", accel.name)
     dense_params = sizes.parameters - sizes.expert_parameters
     static = 16 * dense_params // fsdp + 16 * sizes.expert_parameters * ep // fsdp
     gathered = 2 * sizes.largest_unit * DTYPES[shape.dtype].itemsize

@@ -1,0 +1,125 @@
+"""The real-scale results table: every shipped shape at sequence 8192 on a stated parallel
+layout, estimated on fake tensors with the roofline clock for an H100.
+
+For each shape: the peak per GPU of ``none``, ``full`` and the presets, and of the planner's
+plans at three budgets across the feasible range (each plan stepped on fake tensors like a
+preset, next to the planner's own prediction); the estimated step-time ratio to ``none``; and
+the seconds the estimate took on this machine.
+
+    python -m bench.realscale.table            # writes bench/results/realscale.{json,md}
+    python -m bench.realscale.table --only llama3-8b
+
+Memory is measured on fake tensors; static memory, tensor and expert parallelism follow the
+formulas stated in ``actplan.planning.estimate``; times are roofline estimates, not
+measurements.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from actplan.models.shape import load_shape
+from actplan.planning.estimate import EstimateResult, estimate
+
+# name -> (fsdp, tp, ep): the layout each shape is estimated on, as a team would first try it.
+LAYOUTS: dict[str, tuple[int, int, int]] = {
+    "llama3-8b": (8, 1, 1),
+    "llama3-70b": (8, 8, 1),
+    "mixtral-8x7b": (8, 1, 8),
+    "qwen3-30b-a3b": (8, 1, 8),
+}
+SEQ = 8192
+GPU = "h100"
+RESULTS = Path(__file__).resolve().parents[1] / "results"
+
+
+def _layout(fsdp: int, tp: int, ep: int) -> str:
+    parts = [f"FSDP {fsdp}"] + [f"TP {tp}"] * (tp > 1) + [f"EP {ep}"] * (ep > 1)
+    return " x ".join(parts) + f" ({fsdp * tp} GPUs)"
+
+
+def render(results: dict[str, dict]) -> str:
+    gib = 2**30
+    lines = [
+        "# Real-scale estimates",
+        "",
+        f"Every shipped shape at sequence {SEQ}, batch 1 per GPU, bf16, on an {GPU.upper()} "
+        "(roofline clock), estimated on fake tensors by `python -m bench.realscale.table`. "
+        "Peaks are per GPU: measured activations and transients plus the stated static formula "
+        "(16 bytes per parameter over the FSDP ranks, two gathered units). Times are estimates. "
+        "Plans are the planner's at three budgets across the feasible range; 'planner' is its "
+        "prediction, the row the plan's own fake step.",
+        "",
+    ]
+    for name, result in results.items():
+        lines += [
+            f"## {name}: {result['layout']}",
+            "",
+            f"{result['description']}. {result['parameters'] / 1e9:.2f} B parameters on a rank; "
+            f"static {result['static_bytes'] / gib:.1f} GiB + gathered {result['gathered_bytes'] / gib:.1f} "
+            f"GiB per GPU. Estimated in {result['seconds_taken']:.0f} s on {result['machine']}.",
+            "",
+            "| preset / plan | activations (end of fwd) | peak per GPU | est. step vs none | planner |",
+            "|---|---:|---:|---:|---:|",
+        ]
+        for row in result["rows"]:
+            planner = (
+                "-"
+                if row["predicted_peak_bytes"] is None
+                else f"{row['predicted_peak_bytes'] / gib:.2f} GiB, {row['predicted_ratio']:.3f}x"
+            )
+            activations, peak = row["activation_bytes"] / gib, row["peak_bytes"] / gib
+            lines.append(
+                f"| {row['preset']} | {activations:.2f} GiB | {peak:.2f} GiB "
+                f"| {row['ratio_to_none']:.3f}x | {planner} |"
+            )
+        lines.append("")
+    return "\n".join(lines)
+
+
+def run(names: list[str]) -> dict[str, dict]:
+    results: dict[str, dict] = {}
+    machine = f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+    for name in names:
+        fsdp, tp, ep = LAYOUTS[name]
+        started = time.perf_counter()
+        print(f"{name}: {_layout(fsdp, tp, ep)}", flush=True)
+        result: EstimateResult = estimate(
+            load_shape(name, seq=SEQ),
+            gpu=GPU,
+            fsdp=fsdp,
+            tp=tp,
+            ep=ep,
+            plans=True,
+            progress=lambda line: print(f"  {line}", flush=True),
+        )
+        data = result.to_dict()
+        for row in data["rows"]:
+            row.pop("plan_yaml", None)  # the plans are in the table as rows; the YAML is not kept
+        data |= {"layout": _layout(fsdp, tp, ep), "machine": machine}
+        results[name] = data
+        print(f"  done in {time.perf_counter() - started:.0f} s", flush=True)
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", action="append", choices=sorted(LAYOUTS), help="one shape (repeatable)")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="folder for realscale.{json,md}")
+    args = parser.parse_args(argv)
+    results = run(args.only or list(LAYOUTS))
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "realscale.json").write_text(json.dumps(results, indent=2) + "\n")
+    (args.out / "realscale.md").write_text(render(results))
+    print(f"wrote {args.out / 'realscale.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -17,6 +17,7 @@ from actplan.config import (
     OffloadConfig,
     RecomputeChoice,
     RecomputeConfig,
+    format_indices,
     preset_kept_units,
 )
 from actplan.units import ROUTING_UNITS, MarkerInterval, RecomputeIntervalMap, RecomputeUnit
@@ -70,6 +71,10 @@ class LayerPlan:
         parts = (["layer input"] if self.offload_input else []) + [u.value for u in self.offload_units]
         return ", ".join(parts)
 
+    def describe_choice(self) -> str:
+        """``'selective, keep attn_core, mlp_up; offload layer input'``: mode, kept units, offload."""
+        return _describe_choice(self.mode, self.kept_units, self.describe_offload())
+
 
 @dataclass(frozen=True)
 class Plan:
@@ -94,13 +99,17 @@ class Plan:
         extra = f", {offloading} offloading" if offloading else ""
         lines = [f"plan for {len(self.layers)} layers ({len(self.checkpointed)} checkpointed{extra}):"]
         for (mode, kept_units, offloaded), indices in groups.items():
-            what = mode
-            if mode == "selective":
-                what += ", keep " + (", ".join(u.value for u in kept_units) if kept_units else "nothing")
-            if offloaded:
-                what += f"; offload {offloaded}"
-            lines.append(f"  layers {format_indices(indices)}: {what}")
+            lines.append(
+                f"  layers {format_indices(indices)}: {_describe_choice(mode, kept_units, offloaded)}"
+            )
         return "\n".join(lines)
+
+    def layer_lines(self) -> list[str]:
+        """One line per layer: ``'layer 0 (layers.0, DecoderLayer): selective, keep attn_core'``."""
+        return [
+            f"layer {layer.index} ({layer.name}, {layer.class_name}): {layer.describe_choice()}"
+            for layer in self.layers
+        ]
 
     def to_rows(self) -> list[dict[str, Any]]:
         """One dict of plain values per layer, for a table."""
@@ -120,17 +129,11 @@ class Plan:
         ]
 
 
-def format_indices(indices: Sequence[int]) -> str:
-    """``[0, 1, 2, 5, 7, 8]`` -> ``'0-2,5,7-8'`` (the layer selector string form)."""
-    ordered = sorted(set(indices))
-    pieces: list[str] = []
-    start = 0
-    for position in range(1, len(ordered) + 1):
-        if position == len(ordered) or ordered[position] != ordered[position - 1] + 1:
-            first, last = ordered[start], ordered[position - 1]
-            pieces.append(str(first) if first == last else f"{first}-{last}")
-            start = position
-    return ",".join(pieces)
+def _describe_choice(mode: str, kept_units: Sequence[RecomputeUnit], offloaded: str) -> str:
+    what = mode
+    if mode == "selective":
+        what += ", keep " + (", ".join(u.value for u in kept_units) if kept_units else "nothing")
+    return what + (f"; offload {offloaded}" if offloaded else "")
 
 
 def resolve_plan(config: RecomputeConfig, layer_specs: Sequence[LayerSpec]) -> Plan:
@@ -139,9 +142,10 @@ def resolve_plan(config: RecomputeConfig, layer_specs: Sequence[LayerSpec]) -> P
     The top level applies to the layers its ``layers`` selects; each override then
     replaces the choice for the layers it selects, later overrides winning. Layers no
     entry selects are not checkpointed. Raises ``ConfigError`` for a model with no
-    checkpointable layers, an out-of-range selector, or an explicitly listed unit that a
-    layer it applies to does not declare; for a config read from a file, the error names the
-    file and the line of the field.
+    checkpointable layers, a config made for another model (its ``made_for`` layer count or
+    layer classes differ from the model's), an out-of-range selector, or an explicitly listed
+    unit that a layer it applies to does not declare; for a config read from a file, the error
+    names the file and the line of the field.
     """
     try:
         return _resolve_plan(config, tuple(layer_specs))
@@ -161,6 +165,11 @@ def _resolve_plan(config: RecomputeConfig, specs: tuple[LayerSpec, ...]) -> Plan
                 f"layer spec {spec.name!r} has index {spec.index} at position {position}; "
                 "report layers in model order with indices 0, 1, 2, ..."
             )
+    if config.made_for is not None:
+        # Before any selector is resolved: on another model, index errors would mislead.
+        mismatch = config.made_for.mismatch([spec.class_name for spec in specs])
+        if mismatch is not None:
+            raise ConfigError(mismatch)
 
     # Each layer's deciding entry: (choice, field prefix for errors, label for `source`).
     deciding: list[tuple[RecomputeChoice, str, str] | None] = [None] * len(specs)

@@ -9,11 +9,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 
 from rich.console import Console
 
-from actplan.cli._console import progress_display, write_output
+from actplan.cli._console import model_options, progress_display, write_output
 from actplan.cli._tables import bench_table, held_table
 from actplan.evaluate.bench import run_bench
 from actplan.evaluate.report import to_markdown
@@ -33,7 +34,7 @@ def _bench_expert_parallel(args: argparse.Namespace, console: Console) -> int:
     if "RANK" not in os.environ:
         raise ValueError(
             f"--ep {args.ep} needs one process per rank: run "
-            f"`torchrun --nproc-per-node {args.ep} -m actplan bench --model {args.model} --ep {args.ep}`"
+            f"`torchrun --nproc-per-node {args.ep} -m actplan bench {rerun_options(args)}`"
         )
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     try:
@@ -52,6 +53,26 @@ def _bench_expert_parallel(args: argparse.Namespace, console: Console) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(max(codes))
+
+
+def rerun_options(args: argparse.Namespace) -> str:
+    """This run's options as a command line: the model, size and ``--ep``, and every other
+    option given a value other than its default (what a hint to run it again must carry)."""
+    from actplan.cli._parser import build_parser  # it imports this module
+
+    defaults = vars(build_parser().parse_args(["bench"]))
+    options = [model_options(args), f"--ep {args.ep}"]
+    for name, value in vars(args).items():
+        if name in ("command", "run", "model", "size", "device", "ep") or value == defaults.get(name):
+            continue
+        flag = "--" + name.replace("_", "-")
+        if value is True:
+            options.append(flag)
+        elif isinstance(value, list):
+            options += [f"{flag} {shlex.quote(str(item))}" for item in value]
+        else:
+            options.append(f"{flag} {shlex.quote(str(value))}")
+    return " ".join(options)
 
 
 def _run_and_report(args: argparse.Namespace, console: Console) -> int:

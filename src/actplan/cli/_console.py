@@ -1,9 +1,12 @@
 """What every command shares on the terminal: the progress display for the API's long calls,
-and writing an output file with a "wrote" line. Imports rich and ``actplan.progress`` only."""
+writing an output file with a "wrote" line, and the options that make a printed hint a command
+that works as written. Imports rich and ``actplan.progress`` only."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import shlex
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -55,3 +58,19 @@ def write_output(path: str, text: str, console: Console) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(text)
     console.print(f"wrote {path}")
+
+
+def model_options(args: argparse.Namespace, *, device: bool = True) -> str:
+    """The options that name this run's model (``--model``, ``--size``; ``--device`` unless
+    ``device`` is false or it is ``auto``), for a hint that must work as written."""
+    options = f"--model {shlex.quote(args.model)}"
+    if ":" not in args.model:  # a factory builds one size
+        options += f" --size {shlex.quote(args.size)}"
+    if device and getattr(args, "device", "auto") != "auto":
+        options += f" --device {shlex.quote(args.device)}"
+    return options
+
+
+def hint(console: Console, command: str) -> None:
+    """Print a command to run, indented, on one line (never wrapped, no markup)."""
+    console.print(f"  {command}", soft_wrap=True, markup=False, highlight=False)

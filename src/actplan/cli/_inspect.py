@@ -13,7 +13,7 @@ import json
 from rich.console import Console
 from rich.table import Table
 
-from actplan.cli._console import progress_display, write_output
+from actplan.cli._console import model_options, progress_display, write_output
 from actplan.cli._tables import held_table, layer_plan_table, verify_table
 from actplan.devices import resolve_device
 from actplan.integrations import hf
@@ -39,7 +39,7 @@ def explain(args: argparse.Namespace, console: Console) -> int:
         caption += (
             "\nHugging Face layouts: "
             + ", ".join(f"{name} {source}" for name, source in sources.items())
-            + f" (the module spans of each unit: actplan units --model {args.model})"
+            + f" (the module spans of each unit: `actplan units {model_options(args, device=False)}`)"
         )
     console.print(layer_plan_table(plan, f"plan for {bundle.description}", caption))
     return 0

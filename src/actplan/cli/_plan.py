@@ -8,16 +8,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shlex
 from pathlib import Path
 
 from rich.console import Console
 
 from actplan._install.plan import format_indices
-from actplan.cli._console import progress_display, write_output
+from actplan.cli._console import hint, model_options, progress_display, write_output
 from actplan.cli._tables import plan_table, profile_table, sweep_table
 from actplan.devices import resolve_device
-from actplan.sizes import mib, parse_bytes
+from actplan.sizes import DEFAULT_OFFLOAD_MIN_BYTES, mib, parse_bytes
 
 
 def _profile_inputs(args: argparse.Namespace):
@@ -74,6 +75,7 @@ def plan(args: argparse.Namespace, console: Console) -> int:
             run=not args.no_run,
             **options,
             progress=progress,
+            sweep_command=f"actplan plan {profile_options(args)} --sweep",
         )
     for note in result.notes:
         console.print(f"[yellow]note:[/] {note}")
@@ -85,13 +87,16 @@ def plan(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
-def model_options(args: argparse.Namespace) -> str:
-    """The options that name this run's model, for a hint that must work as written."""
-    options = f"--model {shlex.quote(args.model)}"
-    if ":" not in args.model:  # a factory builds one size
-        options += f" --size {args.size}"
-    if getattr(args, "device", "auto") != "auto":
-        options += f" --device {args.device}"
+def profile_options(args: argparse.Namespace) -> str:
+    """``model_options`` and the profiling options given that change the profile or where it is
+    cached (``--min-bytes``, ``--bandwidth``, ``--cache-dir``), for a hint to plan again."""
+    options = model_options(args)
+    if parse_bytes(args.min_bytes) != DEFAULT_OFFLOAD_MIN_BYTES:
+        options += f" --min-bytes {shlex.quote(str(args.min_bytes))}"
+    if args.bandwidth is not None:
+        options += f" --bandwidth {shlex.quote(str(args.bandwidth))}"
+    if args.cache_dir:
+        options += f" --cache-dir {shlex.quote(str(args.cache_dir))}"
     return options
 
 
@@ -105,9 +110,9 @@ def _print_plan_outputs(result, json_path: str | None, console: Console, model: 
         console.print(f"  layers {format_indices(indices)}: {name}")
     if result.config_path:
         path = shlex.quote(str(result.config_path))
-        console.print(f"wrote {result.config_path}; run it with", soft_wrap=True)
-        console.print(f"  actplan bench {model} --config {path}", soft_wrap=True, markup=False)
-        console.print(f"  actplan verify {model} --config {path}", soft_wrap=True, markup=False)
+        console.print(f"wrote {result.config_path}; run it with", soft_wrap=True, markup=False)
+        hint(console, f"actplan bench {model} --config {path}")
+        hint(console, f"actplan verify {model} --config {path}")
     if result.plot_path:
         console.print(f"wrote {result.plot_path}")
     if json_path:
@@ -129,6 +134,14 @@ def _sweep(args: argparse.Namespace, console: Console) -> int:
     solutions = pareto_front(measured.problem())
     front = sweep(measured, solutions)
     console.print(sweep_table(measured.model, front, plan_summary))
+    if front:
+        # A budget a little above the middle point's peak, so that the command plans that point.
+        peak = front[len(front) // 2]["predicted_peak_bytes"]
+        console.print("pick a peak and give it as --budget to write and check that plan; the middle one:")
+        hint(
+            console,
+            f"actplan plan {profile_options(args)} --budget {math.ceil(peak / 2**20 * 10) / 10:.1f}MiB",
+        )
     if args.plot:
         write_pareto_plot(
             pareto_points(measured, solutions), args.plot, f"{measured.model} on {measured.device}"

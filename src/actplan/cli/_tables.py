@@ -129,10 +129,7 @@ def plan_table(result) -> Table:
 def sweep_table(model: str, front: list[dict[str, Any]], summary) -> Table:
     """``actplan plan --sweep``: one row per point of the predicted front; ``summary`` names a
     point's candidates."""
-    table = Table(
-        title=f"every plan worth having for {model} (predicted, fastest at each peak)",
-        caption="pick a peak, then `actplan plan --budget <peak>` writes and checks that plan",
-    )
+    table = Table(title=f"every plan worth having for {model} (predicted, fastest at each peak)")
     for column in ("peak MiB", "of none", "step time / none", "plan (layers: candidate)"):
         table.add_column(column, justify="left" if column.startswith("plan") else "right")
     for point in front:

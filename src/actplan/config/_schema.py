@@ -35,6 +35,7 @@ from actplan.config._errors import (
     report_validation_error,
     yaml_line,
 )
+from actplan.config._made_for import MadeFor
 from actplan.config._presets import PRESETS, valid_presets
 from actplan.config._selectors import LayerSelector
 from actplan.sizes import DEFAULT_HOST_CAP_BYTES, DEFAULT_OFFLOAD_MIN_BYTES, format_bytes, parse_bytes
@@ -182,6 +183,8 @@ class RecomputeConfig(RecomputeChoice):
     save_collectives: bool | Literal["auto"] = "auto"
     # Saved tensors moved to host memory (see OffloadConfig); None: nothing is offloaded.
     offload: OffloadConfig | None = None
+    # The model a planned config was made for (see MadeFor); checked against the model it meets.
+    made_for: MadeFor | None = None
     # Where the config was read from: (source, text) for errors found when it meets a model.
     _origin: tuple[str, str | None] | None = PrivateAttr(default=None)
 
@@ -323,8 +326,10 @@ class RecomputeConfig(RecomputeChoice):
     # -- serialisation ------------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
-        """Minimal plain-data form: defaults left out, units as strings, selectors as written."""
-        out = self._choice_to_dict(mode_always=False)
+        """Minimal plain-data form: defaults left out, units as strings, selectors as written;
+        ``made_for`` first, as the file's header."""
+        out = {"made_for": self.made_for.to_dict()} if self.made_for is not None else {}
+        out.update(self._choice_to_dict(mode_always=False))
         if self.layers.root != "all":
             out["layers"] = copy.deepcopy(self.layers.root)
         if self.overrides:
@@ -335,17 +340,22 @@ class RecomputeConfig(RecomputeChoice):
             out["offload"] = self.offload.to_dict()
         return out
 
-    def to_yaml(self) -> str:
-        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+    def to_yaml(self, comment: str | None = None) -> str:
+        """The YAML text; ``comment`` (lines of text) goes first as ``#`` comments."""
+        text = yaml.safe_dump(self.to_dict(), sort_keys=False)
+        if comment:
+            text = "".join(f"# {line}".rstrip() + "\n" for line in comment.splitlines()) + text
+        return text
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2) + "\n"
 
-    def dump(self, path: str | Path) -> None:
-        """Write to a ``.yaml``/``.yml``/``.json`` file, chosen by suffix."""
+    def dump(self, path: str | Path, comment: str | None = None) -> None:
+        """Write to a ``.yaml``/``.yml``/``.json`` file, chosen by suffix; ``comment`` heads a
+        YAML file as ``#`` lines (JSON has no comments: it is left out there)."""
         path = Path(path)
         kind = file_kind(path, f"cannot dump to {str(path)!r}:")
-        path.write_text(self.to_yaml() if kind == "yaml" else self.to_json(), encoding="utf-8")
+        path.write_text(self.to_yaml(comment) if kind == "yaml" else self.to_json(), encoding="utf-8")
 
 
 # ---------------------------------------------------------------------------------------
@@ -355,6 +365,8 @@ class RecomputeConfig(RecomputeChoice):
 def _model_at(loc: tuple[int | str, ...]) -> type[BaseModel]:
     if loc and loc[0] == "overrides":
         return LayerOverride
+    if loc and loc[0] == "made_for":
+        return MadeFor
     return OffloadConfig if loc and loc[0] == "offload" else RecomputeConfig
 
 

@@ -7,7 +7,7 @@ Imports only pydantic, the config errors and the standard library.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pydantic import ConfigDict, RootModel, model_validator
@@ -56,6 +56,25 @@ def _parse_ranges(text: str) -> tuple[tuple[int, int], ...]:
             )
         ranges.append((first, last))
     return tuple(ranges)
+
+
+def format_indices(indices: Sequence[int]) -> str:
+    """``[0, 1, 2, 5, 7, 8]`` -> ``'0-2,5,7-8'`` (the layer selector string form)."""
+    ordered = sorted(set(indices))
+    pieces: list[str] = []
+    start = 0
+    for position in range(1, len(ordered) + 1):
+        if position == len(ordered) or ordered[position] != ordered[position - 1] + 1:
+            first, last = ordered[start], ordered[position - 1]
+            pieces.append(str(first) if first == last else f"{first}-{last}")
+            start = position
+    return ",".join(pieces)
+
+
+def parse_indices(text: str) -> list[int]:
+    """``'0-2,5'`` -> ``[0, 1, 2, 5]`` (in the order written, repeats kept); a ``ConfigError``
+    for a malformed string."""
+    return [index for first, last in _parse_ranges(text) for index in range(first, last + 1)]
 
 
 def _check_selector(raw: Any) -> Any:

@@ -29,6 +29,8 @@ from actplan.evaluate.contenders import (
     PolicyRow,
     config_installer,
     contender_step,
+    has_hf_gradient_checkpointing,
+    hf_checkpoint_installer,
     policy_rows,
     prepare_contender,
     time_contenders,
@@ -50,6 +52,8 @@ OFFLOAD_VARIANTS: dict[str, dict[str, Any]] = {
 DEFAULT_POLICIES = ("none", "full", "attn", "matmuls", "megatron-selective", *OFFLOAD_VARIANTS)
 TORCH_CHECKPOINT = "torch-checkpoint"
 """Reference row: plain ``torch.utils.checkpoint`` per layer, without actplan."""
+HF_CHECKPOINT = "hf-gradient-checkpointing"
+"""Reference row of Hugging Face models: their own ``gradient_checkpointing_enable()``."""
 
 
 @dataclass
@@ -85,13 +89,13 @@ class BenchResult:
         return cls(**{k: v for k, v in data.items() if k in known and k != "rows"}, rows=rows)
 
 
-def _check_expert_parallel(ep: int, model: str) -> int:
+def _check_expert_parallel(ep: int, model: str, size: str) -> int:
     if model != "moe":
         raise ValueError(f"--ep needs a model with experts; {model!r} has none (use --model moe)")
     if not dist.is_initialized() or dist.get_world_size() != ep:
         raise ValueError(
             f"--ep {ep} runs one rank per expert-parallel shard: launch with "
-            f"`torchrun --nproc-per-node {ep} -m actplan bench --model moe --ep {ep}`"
+            f"`torchrun --nproc-per-node {ep} -m actplan bench --model moe --size {size} --ep {ep}`"
         )
     return dist.get_rank()
 
@@ -131,15 +135,19 @@ def policy_config(name: str) -> RecomputeConfig:
 
 
 def bench_entries(
-    policies: tuple[str, ...], configs: tuple[str | Path, ...], reference: bool
+    policies: tuple[str, ...], configs: tuple[str | Path, ...], reference: bool, hf_reference: bool = False
 ) -> list[tuple[str, Installer]]:
     """The bench's rows in order, named: ``none``, the policies, the config files (named after
-    their stem), then the plain ``torch.utils.checkpoint`` reference. Names must be distinct."""
+    their stem), then the plain ``torch.utils.checkpoint`` reference and, with ``hf_reference``
+    (a Hugging Face model), the model's own ``gradient_checkpointing_enable()``. Names must be
+    distinct."""
     entries: list[tuple[str, Installer]] = [("none", config_installer(RecomputeConfig.from_preset("none")))]
     entries += [(p, config_installer(policy_config(p))) for p in policies if p != "none"]
     entries += [(Path(c).stem, config_installer(RecomputeConfig.from_file(c))) for c in configs]
     if reference:
         entries.append((TORCH_CHECKPOINT, torch_checkpoint_installer))
+    if reference and hf_reference:
+        entries.append((HF_CHECKPOINT, hf_checkpoint_installer))
     names = [name for name, _ in entries]
     repeated = sorted({name for name in names if names.count(name) > 1})
     if repeated:
@@ -154,7 +162,7 @@ def bench_entries(
 def _load_bundle(model: str, size: str, ep: int) -> tuple[ModelBundle, int]:
     """The model (its experts split over the ranks when ``ep > 1``) and this process's rank."""
     if ep > 1:
-        rank = _check_expert_parallel(ep, model)
+        rank = _check_expert_parallel(ep, model, size)
         return build_model(model, size, ep_group=dist.group.WORLD), rank
     return load_model(model, size), 0
 
@@ -232,13 +240,16 @@ def run_bench(
     each rank trains on its own batch, parity is checked rank by rank against
     the expert-parallel ``none`` run, and memory is reported per rank. The plain
     ``torch.utils.checkpoint`` reference row is left out there (it would replay
-    the all-to-alls).
+    the all-to-alls). A Hugging Face model also gets a reference row that switches on
+    its own gradient checkpointing (``gradient_checkpointing_enable()``, non-reentrant),
+    as the Trainer's ``gradient_checkpointing=True`` does; ``reference=False`` leaves
+    both out.
     """
     dev = resolve_device(device)
     bundle, rank = _load_bundle(model, size, ep)
     batch = bundle.batch(rank, dev)
     reference = reference and ep == 1
-    entries = bench_entries(policies, configs, reference)
+    entries = bench_entries(policies, configs, reference, has_hf_gradient_checkpointing(bundle.model))
     measure_overhead = reference and "full" in policies and overhead_repeats > 0
     total = len(entries) * (2 + warmup + repeats) + (2 * overhead_repeats if measure_overhead else 0)
     tracker = ProgressTracker(progress, total=total, prefix="bench: ")

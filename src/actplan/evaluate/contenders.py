@@ -103,6 +103,29 @@ def torch_checkpoint_installer(model: nn.Module) -> str:
     return "torch.utils.checkpoint(use_reentrant=False) per layer, no actplan"
 
 
+def has_hf_gradient_checkpointing(model: nn.Module) -> bool:
+    """Whether ``model`` is a Hugging Face model with its own gradient checkpointing."""
+    return bool(getattr(model, "supports_gradient_checkpointing", False)) and callable(
+        getattr(model, "gradient_checkpointing_enable", None)
+    )
+
+
+def hf_checkpoint_installer(model: nn.Module) -> str:
+    """Hugging Face's own whole-layer checkpointing, switched on as the Trainer's
+    ``gradient_checkpointing=True`` does, non-reentrant: ``model.gradient_checkpointing_enable()``,
+    or, in transformers releases that renamed it (and deprecated the old name), the same
+    method's new name ``activation_checkpointing_enable()``."""
+    kwargs = {"use_reentrant": False}
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if callable(enable):
+        enable(activation_checkpointing_kwargs=kwargs)
+        called = "activation_checkpointing_enable"
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        called = "gradient_checkpointing_enable"
+    return f"transformers' own checkpointing: model.{called}(use_reentrant=False), no actplan"
+
+
 @dataclass
 class Contender:
     """One bench row: its own copy of the model and optimizer, and what one metered step saw."""

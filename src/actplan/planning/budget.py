@@ -2,8 +2,9 @@
 
 ``plan_under_budget`` is what ``actplan plan`` runs: it reuses or makes the model's
 profile (``cache.get_profile``), solves for the fastest plan whose predicted peak fits the
-budget, writes it as a config file, runs it next to ``none`` and reports predicted against
-measured peak memory and step time. ``pareto_points`` gives memory against step time for the
+budget, writes it as a config file (headed by what it was made for and every layer's
+choice), runs it next to ``none`` and reports predicted against measured peak memory and
+step time. ``pareto_points`` gives memory against step time for the
 presets and the planner's plans over a sweep of budgets (``plot.write_pareto_plot`` draws it).
 
 Imports torch, ``apply``, the config, the meters, the models' step and the planning
@@ -13,6 +14,7 @@ modules.
 from __future__ import annotations
 
 import copy
+import shlex
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,12 +22,13 @@ from typing import Any
 import torch
 
 from actplan._install.apply import apply, plan_for
+from actplan._install.plan import Plan
 from actplan.config import PRESETS, RecomputeConfig
 from actplan.measure import MemoryMeter, interleaved_timing, ratio
 from actplan.models import ModelBundle, train_step
 from actplan.planning._records import ModelProfile
 from actplan.planning.cache import get_profile
-from actplan.planning.choose import config_for, picked
+from actplan.planning.choose import config_for, made_for, picked
 from actplan.planning.planner import (
     BudgetError,
     PlanProblem,
@@ -140,14 +143,17 @@ def pareto_points(profile: ModelProfile, front: list[Solution] | None = None) ->
     return points
 
 
-def teaching_error(problem: PlanProblem, err: BudgetError, rows: int = 12) -> BudgetError:
-    """``err`` with the trade-off appended: up to ``rows`` points of the front, spread over it."""
+def teaching_error(
+    problem: PlanProblem, err: BudgetError, rows: int = 12, sweep_command: str = "actplan plan --sweep"
+) -> BudgetError:
+    """``err`` with the trade-off appended: up to ``rows`` points of the front, spread over it;
+    ``sweep_command`` is the command that lists every point."""
     front = pareto_front(problem)
     if len(front) > rows:
         front = [front[round(i * (len(front) - 1) / (rows - 1))] for i in range(rows)]
     table = front_table(front, problem.base_seconds, none_peak(problem))
     return BudgetError(
-        f"{err}\n\nWhat each budget buys (predicted; `actplan plan --sweep` lists every point):\n{table}"
+        f"{err}\n\nWhat each budget buys (predicted; `{sweep_command}` lists every point):\n{table}"
     )
 
 
@@ -185,8 +191,14 @@ def plan_under_budget(
     min_bytes: int = DEFAULT_OFFLOAD_MIN_BYTES,
     bandwidth: float | None = None,
     progress: ProgressCallback | None = None,
+    sweep_command: str | None = None,
 ) -> BudgetPlanResult:
-    """Profile (or reuse the cache), solve for ``budget``, write the plan, run and check it."""
+    """Profile (or reuse the cache), solve for ``budget``, write the plan, run and check it.
+
+    The written plan's ``made_for`` block records ``spec``, the model's layers, batch shape,
+    dtype, ``device``, the budget and the actplan version; a YAML file also lists every layer's
+    choice in comments. ``sweep_command``: the command a budget no plan fits points to (default:
+    ``actplan plan`` with ``--model spec``, ``--size`` and ``--sweep``)."""
     profile, from_cache = get_profile(
         bundle,
         spec,
@@ -198,8 +210,12 @@ def plan_under_budget(
         bandwidth=bandwidth,
         progress=progress,
     )
-    budget_bytes, solution, notes = _solve_for(profile, budget)
-    config = _write_plan(bundle, profile, solution, out)
+    if sweep_command is None:
+        size = "" if ":" in spec else f" --size {bundle.size}"
+        sweep_command = f"actplan plan --model {shlex.quote(spec)}{size} --sweep"
+    budget_bytes, solution, notes = _solve_for(profile, budget, sweep_command)
+    header = made_for(bundle, spec, device, budget, budget_bytes)
+    config = _write_plan(bundle, profile, solution, out, header)
     predicted_ratio = solution.predicted_seconds / profile.base_seconds
     measured = error = None
     if run:
@@ -239,7 +255,7 @@ def plan_under_budget(
     return plan_result
 
 
-def _solve_for(profile: ModelProfile, budget: str) -> tuple[float, Solution, list[str]]:
+def _solve_for(profile: ModelProfile, budget: str, sweep_command: str) -> tuple[float, Solution, list[str]]:
     """The budget in bytes, the fastest plan under it (a ``BudgetError`` showing the trade-off
     when none fits) and notes on the budget."""
     budget_bytes = parse_budget(budget, profile.none_peak_bytes)
@@ -247,7 +263,7 @@ def _solve_for(profile: ModelProfile, budget: str) -> tuple[float, Solution, lis
     try:
         solution = solve(problem, budget_bytes)
     except BudgetError as err:
-        raise teaching_error(problem, err) from None
+        raise teaching_error(problem, err, sweep_command=sweep_command) from None
     notes = []
     top = none_peak(problem)
     if top is not None and budget_bytes >= top:
@@ -259,15 +275,36 @@ def _solve_for(profile: ModelProfile, budget: str) -> tuple[float, Solution, lis
 
 
 def _write_plan(
-    bundle: ModelBundle, profile: ModelProfile, solution: Solution, out: str | Path | None
+    bundle: ModelBundle,
+    profile: ModelProfile,
+    solution: Solution,
+    out: str | Path | None,
+    header: dict[str, Any],
 ) -> RecomputeConfig:
-    """The config of ``solution``, checked against the candidates, written to ``out`` if given."""
-    config = config_for(profile, solution.choices)
-    _check_resolution(bundle, profile, solution, config)
+    """The config of ``solution`` with its ``made_for`` ``header``, checked against the
+    candidates, written to ``out`` if given (a YAML file with every layer's choice in comments)."""
+    config = config_for(profile, solution.choices, header)
+    plan = _check_resolution(bundle, profile, solution, config)
     if out is not None:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
-        config.dump(out)
+        config.dump(out, comment=_plan_comment(config, plan, solution, profile))
     return config
+
+
+def _plan_comment(config: RecomputeConfig, plan: Plan, solution: Solution, profile: ModelProfile) -> str:
+    """The written plan's leading comment: what it was made for, the prediction, every layer."""
+    made = config.made_for
+    budget = (
+        f", budget {made.budget} ({human_bytes(made.budget_bytes)})" if made and made.budget_bytes else ""
+    )
+    model = f"{made.describe()} on {made.device}" if made is not None else profile.model
+    lines = [
+        f"Made by actplan plan for {model}{budget}.",
+        f"Predicted peak {human_bytes(solution.predicted_peak_bytes)}, step time "
+        f"{solution.predicted_seconds / profile.base_seconds:.3f}x no checkpointing.",
+        "Each layer's choice (applying this plan to a model with other layers is an error; see made_for):",
+    ]
+    return "\n".join([*lines, *(f"  {line}" for line in plan.layer_lines())])
 
 
 def _layer_rows(profile: ModelProfile, solution: Solution) -> list[dict[str, Any]]:
@@ -303,8 +340,8 @@ def _run_and_compare(
 
 def _check_resolution(
     bundle: ModelBundle, profile: ModelProfile, solution: Solution, config: RecomputeConfig
-) -> None:
-    """The written config must install exactly the candidates the solver chose."""
+) -> Plan:
+    """The written config must install exactly the candidates the solver chose; returns its plan."""
     plan = plan_for(bundle.model, config)
     for layer, candidate in zip(plan.layers, picked(profile, solution.choices), strict=True):
         kept = [u.value for u in layer.kept_units]
@@ -317,6 +354,7 @@ def _check_resolution(
                 f"internal error: the planned config gives layer {layer.index} {layer.mode} {kept} "
                 f"(offload {layer.offload_input}) instead of candidate {candidate.name}; please report it"
             )
+    return plan
 
 
 def sweep(profile: ModelProfile, front: list[Solution] | None = None) -> list[dict[str, Any]]:

@@ -1,19 +1,26 @@
-"""From a solver's choices back to a config: the candidate each layer gets, and the
-``RecomputeConfig`` that installs exactly those candidates.
+"""From a solver's choices back to a config: the candidate each layer gets, the
+``RecomputeConfig`` that installs exactly those candidates, and its ``made_for`` block (the
+model, shape, dtype, device, budget and actplan version the plan was made for).
 
-Imports ``actplan.config``, ``actplan._install.plan`` (layer ranges) and the planning records
-(a candidate's config entry, the profile types).
+Imports ``actplan.config``, ``actplan._install`` (layer ranges, the model's layers) and the
+planning records (a candidate's config entry, the profile types).
 """
 
 from __future__ import annotations
 
+import importlib.metadata
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+import torch
+
+from actplan._install.apply import layer_specs
 from actplan._install.plan import format_indices
-from actplan.config import RecomputeConfig
+from actplan.config import RecomputeConfig, class_ranges
 from actplan.planning._records import choice_of
 
 if TYPE_CHECKING:
+    from actplan.models import ModelBundle
     from actplan.planning._records import CandidateProfile, ModelProfile
 
 
@@ -22,16 +29,71 @@ def picked(profile: ModelProfile, choices: list[int] | tuple[int, ...]) -> list[
     return [profile.type_of(index).candidates[choice] for index, choice in enumerate(choices)]
 
 
-def config_for(profile: ModelProfile, choices: list[int] | tuple[int, ...]) -> RecomputeConfig:
+def made_for(
+    bundle: ModelBundle,
+    spec: str,
+    device: torch.device | str,
+    budget: str | int | float | None = None,
+    budget_bytes: float | None = None,
+) -> dict[str, Any]:
+    """The ``made_for`` block of a plan for ``bundle`` (loaded from ``spec``) on ``device``:
+    model, size, layer count and classes, batch and sequence length (of the token ids, when
+    the batch has them), dtype, device, budget and actplan version."""
+    classes = [layer.class_name for layer in layer_specs(bundle.model)]
+    block: dict[str, Any] = {
+        "model": spec,
+        "size": None if bundle.size == "custom" else bundle.size,
+        "layers": len(classes),
+        "layer_classes": dict(class_ranges(classes)),
+        **_batch_shape(bundle.batch(0)),
+        "dtype": _dtype(bundle.model),
+        "device": str(device),
+        "budget": None if budget is None else str(budget),
+        "budget_bytes": None if budget_bytes is None else round(budget_bytes),
+        "actplan_version": _version(),
+    }
+    return {key: value for key, value in block.items() if value is not None}
+
+
+def _batch_shape(batch: Mapping[str, Any]) -> dict[str, int]:
+    """``{"batch": B, "seq": S}`` of the token ids (a 2-D integer tensor), else ``{}``."""
+    ids = batch.get("input_ids")
+    if not isinstance(ids, torch.Tensor):
+        ids = next((v for v in batch.values() if isinstance(v, torch.Tensor) and v.dim() == 2), None)
+    if ids is None or ids.dim() != 2 or ids.is_floating_point():
+        return {}
+    return {"batch": ids.shape[0], "seq": ids.shape[1]}
+
+
+def _dtype(model: torch.nn.Module) -> str | None:
+    """The dtype of the model's floating-point parameters (the first one's), e.g. ``'float32'``."""
+    first = next((p for p in model.parameters() if p.is_floating_point()), None)
+    return None if first is None else str(first.dtype).removeprefix("torch.")
+
+
+def _version() -> str | None:
+    try:
+        return importlib.metadata.version("actplan")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def config_for(
+    profile: ModelProfile,
+    choices: list[int] | tuple[int, ...],
+    made_for: Mapping[str, Any] | None = None,
+) -> RecomputeConfig:
     """The ``RecomputeConfig`` that installs one candidate per layer: the most common choice at
-    the top level, the others as overrides, offloaded layers in one offload block."""
+    the top level, the others as overrides, offloaded layers in one offload block; with
+    ``made_for`` (see ``made_for``) as its header when given."""
     chosen = picked(profile, choices)
     groups: dict[tuple[str, tuple[str, ...]], list[int]] = {}
     for index, candidate in enumerate(chosen):
         groups.setdefault((candidate.mode, tuple(candidate.kept_units)), []).append(index)
     ordered = sorted(groups.items(), key=lambda item: (-len(item[1]), item[1][0]))
     (top_mode, top_kept), _ = ordered[0]
-    data: dict[str, Any] = choice_of(top_mode, top_kept)
+    data: dict[str, Any] = {"made_for": dict(made_for)} if made_for is not None else {}
+    data.update(choice_of(top_mode, top_kept))
     if len(ordered) > 1:
         data["overrides"] = [
             {"layers": format_indices(indices), **choice_of(mode, kept)}

@@ -28,3 +28,22 @@ def test_gpt3_layer_bytes_and_selective_flops_match_the_paper():
     assert rows["selective"]["measured_bytes"] == (34 - 4 - 2 - 2) * sbh
     assert result["selective_flop_overhead"] == pytest.approx(4 * s / (24 * h + 4 * s))
     assert result["selective_flop_overhead"] == pytest.approx(result["paper_selective_flop_overhead"])
+
+
+def test_the_committed_real_scale_table_renders_from_its_json_and_its_plans_hold():
+    import json
+
+    from bench.realscale import table
+
+    data = json.loads((table.RESULTS / "realscale.json").read_text())
+    assert table.render(data) == (table.RESULTS / "realscale.md").read_text()
+    assert set(data) == set(table.LAYOUTS)
+    for name, result in data.items():
+        rows = {row["preset"]: row for row in result["rows"]}
+        plans = [row for row in result["rows"] if row["budget_bytes"] is not None]
+        assert len(plans) == 3, name
+        for plan in plans:
+            # Each plan, stepped, fits its budget, and the planner predicted its peak to 2%.
+            assert plan["peak_bytes"] <= plan["budget_bytes"], (name, plan["preset"])
+            assert abs(plan["predicted_peak_bytes"] - plan["peak_bytes"]) <= 0.02 * plan["peak_bytes"]
+            assert rows["full"]["peak_bytes"] <= plan["peak_bytes"] <= rows["none"]["peak_bytes"]

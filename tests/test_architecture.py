@@ -23,6 +23,7 @@ FOUNDATIONS = {
     "actplan._storage",
     "actplan.progress",
     "actplan.devices",
+    "actplan._callsite",
 }
 LAYERS: dict[str, set[str]] = {
     "foundations": set(),

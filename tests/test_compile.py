@@ -205,3 +205,109 @@ def test_recompute_uses_the_graph_its_forward_ran_with():
     eager, compiled = run(False), run(True)
     for name in eager:
         torch.testing.assert_close(compiled[name], eager[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.compile(model) on the whole model after apply (what HF users and the Trainer's
+# torch_compile=True do): the plan holds inside the one graph
+
+
+def _whole_model(kind: str):
+    if kind == "dense":
+        bundle = build_model("dense", "tiny", n_layers=2, dropout=0.0)
+        return bundle.model, bundle.make_batch(0), lambda out: out["loss"]
+    pytest.importorskip("transformers")
+    from actplan.models import hf as hf_models
+
+    model, make_batch = hf_models.reference_model("llama", "tiny", layers=2)
+    return model.train(), make_batch(0), lambda out: out.loss
+
+
+def _step_and_forward_end_bytes(model, run, batch, loss_of, compiled: bool):
+    # The first step compiles (and captures the gradients); the second is metered. An
+    # aot_eager graph runs aten ops, which the meter counts with run_compiled=True.
+    from actplan.measure import MemoryMeter, capture_step
+
+    model.zero_grad(set_to_none=True)
+    loss = loss_of(run(**batch))
+    loss.backward()
+    captured = capture_step(model, loss)
+    model.zero_grad(set_to_none=True)
+    with MemoryMeter(model, run_compiled=compiled) as meter:
+        out = run(**batch)
+        meter.mark("forward_end")
+        loss_of(out).backward()
+    return captured, meter.report().marks["forward_end"].activation_bytes
+
+
+@pytest.mark.parametrize("kind", ["dense", "hf-llama"])
+def test_whole_model_compile_after_apply_honours_the_plan(kind):
+    # Dynamo inlines each layer's checkpoint wrapper into the model's graph (no graph break),
+    # the policy tags the traced ops, and AOTAutograd saves what the plan keeps: activations
+    # at the end of the forward match the eager plan's (the compiler may also recompute a
+    # layer-boundary tensor, or take another attention path for the mask it builds in the same
+    # graph: a few KiB here), gradients are bit-identical with aot_eager, and far less is
+    # kept than under no plan.
+    from actplan.measure import compare_steps
+
+    model, batch, loss_of = _whole_model(kind)
+    baseline = copy.deepcopy(model)
+    baseline_step, _ = _step_and_forward_end_bytes(baseline, baseline, batch, loss_of, compiled=False)
+    held = {}
+    for config in ("none", "full", "matmuls"):
+        eager = copy.deepcopy(model)
+        actplan.apply(eager, config)
+        _, eager_bytes = _step_and_forward_end_bytes(eager, eager, batch, loss_of, compiled=False)
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        planned = copy.deepcopy(model)
+        actplan.apply(planned, config)
+        compiled = torch.compile(planned, backend="aot_eager")
+        captured, whole_bytes = _step_and_forward_end_bytes(planned, compiled, batch, loss_of, compiled=True)
+        breaks = dict(torch._dynamo.utils.counters["graph_break"])
+        assert not breaks, breaks  # the layers are in the model's graph, not run eagerly
+        report = compare_steps(baseline_step, captured)
+        assert report.ok, (kind, config, report.worst_param, report.max_abs_grad_diff)
+        if config != "none":
+            tolerance = max(0.04 * eager_bytes, 16384)
+            assert abs(whole_bytes - eager_bytes) <= tolerance, (config, eager_bytes, whole_bytes)
+        held[config] = whole_bytes
+    assert held["full"] < held["matmuls"] < held["none"], held
+    assert held["full"] < held["none"] / 2, held
+
+
+def test_whole_model_compile_runs_offloading_layers_eagerly_with_their_offload():
+    # Offload is eager-only: under a whole-model compile each offloading layer is a graph break
+    # and runs eagerly, so it moves exactly what the eager plan moves.
+    from actplan.measure import capture_step, compare_steps
+
+    model, batch, loss_of = _whole_model("dense")
+    offload = {"units": "kept", "layer_input": True, "min_bytes": 0, "skip_last": 0}
+    config = {"preset": "matmuls", "offload": offload}
+    baseline = copy.deepcopy(model)
+    loss = loss_of(baseline(**batch))
+    loss.backward()
+    baseline_step = capture_step(baseline, loss)
+    moved = []
+    for whole in (False, True):
+        torch._dynamo.reset()
+        planned = copy.deepcopy(model)
+        actplan.apply(planned, config)
+        run = torch.compile(planned, backend="aot_eager") if whole else planned
+        loss = loss_of(run(**batch))
+        loss.backward()
+        assert compare_steps(baseline_step, capture_step(planned, loss)).ok
+        moved.append(actplan.offload_engine(planned).stats.bytes_offloaded)
+    eager_moved, compiled_moved = moved
+    assert eager_moved > 0 and compiled_moved == eager_moved, moved
+
+
+def test_compiling_an_offloading_layer_itself_fails_with_the_reason():
+    torch._dynamo.reset()
+    model, batch, loss_of = _whole_model("dense")
+    actplan.apply(model, {"preset": "full", "offload": {"layer_input": True, "min_bytes": 0}})
+    for _, layer in find_layers(model):
+        layer.compile(fullgraph=True, backend="aot_eager")
+    with pytest.raises(Exception, match="actplan offload runs in eager mode only"):
+        loss_of(model(**batch)).backward()
+    torch._dynamo.reset()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import re
+import warnings
 from pathlib import Path
 
 import pytest
@@ -301,6 +302,72 @@ def test_hf_gradient_checkpointing_and_actplan_together_is_an_error():
     actplan.apply(model, "full")
 
 
+@pytest.mark.parametrize("config", ["full", "matmuls"])
+def test_hf_gradient_checkpointing_switched_on_after_apply_is_named_at_the_first_forward(config):
+    # What the Trainer does at train() for TrainingArguments(gradient_checkpointing=True): without
+    # the check, torch's CheckpointError ("a different number of tensors was saved") in backward.
+    model = tiny("llama")
+    baseline = step(copy.deepcopy(model))
+    actplan.apply(model, config)
+    model.activation_checkpointing_enable()
+    with pytest.raises(ConfigError, match=r"switched on after actplan\.apply") as err:
+        model(input_ids=IDS, labels=IDS)
+    message = str(err.value)
+    assert message.startswith("model.layers.0 (LlamaDecoderLayer): ")
+    assert "TrainingArguments(gradient_checkpointing=False)" in message
+    assert "model.gradient_checkpointing_disable()" in message
+    with torch.no_grad():  # nothing is checkpointed without gradients: no error
+        model(input_ids=IDS)
+    model.activation_checkpointing_disable()
+    assert compare_steps(baseline, step(model)).ok
+
+
+@pytest.mark.slow
+def test_the_trainer_with_gradient_checkpointing_on_a_planned_model_names_the_setting(tmp_path):
+    pytest.importorskip("accelerate")
+    model = tiny("llama")
+    actplan.apply(model, "matmuls")
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=2, save_strategy="no",
+        report_to="none", use_cpu=True, disable_tqdm=True, gradient_checkpointing=True,
+    )
+    train = [{"input_ids": row, "labels": row} for row in IDS]
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=train)
+    with pytest.raises(ConfigError, match=r"TrainingArguments\(gradient_checkpointing=False\)"):
+        trainer.train()
+
+
+@pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
+def test_a_kv_cache_in_a_planned_training_forward_is_named():
+    # Without the check: "the replay in backward ran aten.cat.default where the forward ran
+    # aten.lift_fresh.default", with no word of the cache.
+    model = tiny("llama")
+    baseline = step(copy.deepcopy(model))
+    actplan.apply(model, "matmuls")
+    with pytest.raises(ConfigError, match=r"KV cache.*\(use_cache=True\)") as err:
+        model(input_ids=IDS, labels=IDS, use_cache=True)
+    assert "use_cache=False" in str(err.value) and "actplan.remove(model)" in str(err.value)
+    cache = transformers.DynamicCache(config=model.config)
+    with pytest.raises(ConfigError, match=r"KV cache.*cache=DynamicCache"):
+        model(input_ids=IDS, labels=IDS, past_key_values=cache, use_cache=False)
+    with torch.no_grad():  # generation: no backward, no replay, the cache is fine
+        out = model(input_ids=IDS, use_cache=True)
+    assert out.past_key_values.get_seq_length() == IDS.shape[1]
+    assert compare_steps(baseline, step(model)).ok  # training as usual afterwards
+
+
+def test_the_use_cache_warning_points_at_the_callers_line():
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**SHAPES, "use_cache": True}))
+    for install in (lambda: actplan.apply(model, "matmuls"), lambda: hf.declare(model)):
+        actplan.remove(model)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            install()
+        (warning,) = [w for w in caught if "use_cache = False" in str(w.message)]
+        assert warning.filename == __file__, warning.filename
+
+
 def mamba():
     # No MLP beside its mixer: a layer whose units derivation cannot tell.
     torch.manual_seed(0)
@@ -454,7 +521,7 @@ def _doc_block(needle: str) -> str:
 def test_the_trainer_example_runs_and_matches_training_without_the_plan(tmp_path, monkeypatch):
     pytest.importorskip("accelerate")
     monkeypatch.chdir(tmp_path)
-    example = _doc_block("transformers.Trainer(")
+    example = _doc_block("transformers.Qwen2MoeConfig(")
     apply_line = 'plan = actplan.apply(model, "matmuls")\nprint(plan.summary())\n'
     assert apply_line in example
     weights = []

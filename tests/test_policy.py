@@ -134,6 +134,7 @@ def test_empty_kept_interval_warns_once():
             region.decide(ctx, MARKER_OP, "b")
     assert len(caught) == 1
     assert "layers.2 (X)" in str(caught[0].message) and "'rope' ran no op" in str(caught[0].message)
+    assert caught[0].filename == __file__  # the caller's line, not the engine's
 
 
 def test_routing_collective_and_device_to_host_ops_are_always_saved():

@@ -123,6 +123,9 @@ class CheckpointState(RuntimeOnly):
     # A fully recomputed layer's marker check (``marker_check``): run on its first eager
     # call with gradients, then dropped, so later calls cost nothing.
     marker_check: Callable[[str | None], Callable[[str], None]] | None = None
+    # ``call_check(module, args, kwargs, name)``, run before each call that is checkpointed: an
+    # integration's refusal of settings that would make the replay differ (a KV cache, say).
+    call_check: Callable[..., None] | None = None
 
 
 def _needs_grad(module: nn.Module, args: tuple, kwargs: dict) -> bool:
@@ -208,6 +211,8 @@ def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     # Frozen module with grad-free inputs (or no grad at all): nothing to replay.
     if not torch.is_grad_enabled() or not _needs_grad(self, args, kwargs):
         return inner(*args, **kwargs)
+    if state.call_check is not None:
+        state.call_check(self, args, kwargs, state.name)
     if state.observer is not None:
         inner = functools.partial(_observed, state.observer, inner)
     options: dict[str, Any] = {
@@ -297,6 +302,7 @@ def apply_gradient_checkpointing(
     owner: Any = None,
     name: str | None = None,
     marker_check: Callable[[str | None], Callable[[str], None]] | None = None,
+    call_check: Callable[..., None] | None = None,
 ) -> nn.Module:
     """Checkpoint ``module``'s forward with ``torch.utils.checkpoint(use_reentrant=False)``.
 
@@ -318,6 +324,9 @@ def apply_gradient_checkpointing(
         marker_check: without a ``policy``, a factory of marker sinks (such as
             ``IntervalPolicy.marker_checker``) that check the layer's markers on its first
             eager call with gradients, so unbalanced markers raise under full recompute too.
+        call_check: run as ``call_check(module, args, kwargs, name)`` before each call that is
+            checkpointed; it raises to refuse the call (an integration's check of settings that
+            would make the replay differ from the forward, such as a KV cache).
 
     A module whose parameters are all frozen, called with inputs that need no
     gradient, runs without checkpointing (no replay, detached outputs).
@@ -335,6 +344,7 @@ def apply_gradient_checkpointing(
         owner=owner,
         name=name,
         marker_check=marker_check,
+        call_check=call_check,
     )
     install_forward(module, _STATE_ATTR, state, _checkpointed_forward)
     return module

@@ -8,13 +8,14 @@ torch and the standard library.
 from __future__ import annotations
 
 import threading
-import warnings
 from collections import defaultdict, deque
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
+
+from actplan._callsite import warn
 
 __all__ = ["HostBuffer", "HostPool", "StreamCopies", "SyncCopies", "event_done", "size_class"]
 
@@ -215,7 +216,7 @@ class HostPool:
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
             self._warned.add(key)
-            warnings.warn(message, stacklevel=4)
+            warn(message)
 
 
 # ---------------------------------------------------------------------------------------------

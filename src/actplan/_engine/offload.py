@@ -33,6 +33,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from actplan._callsite import warn
 from actplan._engine.host_pool import HostPool, StreamCopies, SyncCopies
 from actplan._engine.offload_moves import Group, Handle, Moved, OffloadedTensorMutatedError
 from actplan._storage import owned_storages, storage_keys
@@ -237,11 +238,10 @@ class OffloadEngine:
         """Close a group; warn once per layer when it moved nothing (``what`` names the choice)."""
         if group.tensors == 0 and group.name not in self._warned_empty:
             self._warned_empty.add(group.name)
-            warnings.warn(
+            warn(
                 f"{group.name}: offload of {what} {_MOVED_NOTHING} (every candidate was "
                 "a parameter or another leaf that requires grad, a module buffer, or smaller than "
-                f"min_bytes={self.min_bytes:,}); lower offload.min_bytes or drop this layer from offload",
-                stacklevel=3,
+                f"min_bytes={self.min_bytes:,}); lower offload.min_bytes or drop this layer from offload"
             )
 
     def _release_copied_sources(self) -> None:

@@ -59,16 +59,25 @@ class _OpenUnits:
             self.open.add(span)
 
 
+_EAGER_ONLY = (
+    "actplan offload runs in eager mode only; remove `offload` from the config of compiled "
+    "layers, or do not compile them"
+)
+
+
 def _offloaded_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     state: OffloadState = getattr(self, _STATE_ATTR)
     inner = inner_forward(self, state.previous_forward)
     if not torch.is_grad_enabled():
         return inner(*args, **kwargs)
     if torch.compiler.is_compiling():
-        raise RuntimeError(
-            f"{state.name}: actplan offload runs in eager mode only; remove `offload` from the "
-            "config of compiled layers, or do not compile them"
-        )
+        # Inside a whole-model torch.compile, this call is a graph break: the layer runs eagerly,
+        # offload and all. Compiling the layer itself (fullgraph=True) fails here, with the reason.
+        return _run_eagerly(self, state, inner, args, kwargs)
+    return _run(self, state, inner, args, kwargs)
+
+
+def _run(self: nn.Module, state: OffloadState, inner: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
     engine = state.engine
     group = engine.begin_group(state.name, id(self), state.position)
     with engine.running(group):
@@ -89,6 +98,9 @@ def _offloaded_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
                 out = inner(*args, **kwargs)
     engine.end_group(group, state.what)
     return out
+
+
+_run_eagerly = torch.compiler.disable(_run, reason=_EAGER_ONLY)
 
 
 def apply_offload(

@@ -17,13 +17,13 @@ Imports point down to ``units``, ``markers``, ``ops``, ``region``, ``held`` and 
 from __future__ import annotations
 
 import functools
-import warnings
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
+from actplan._callsite import warn
 from actplan._engine.held import HeldReport, LearntLayout
 from actplan._engine.ops import ROUTING_OPS, UNINITIALIZED_OPS
 from actplan._engine.region import KeptTensorMutatedError, MarkerError, MarkerState, TracedRegion
@@ -153,10 +153,9 @@ class IntervalPolicy:
         if interval in self._warned_idle:
             return
         self._warned_idle.add(interval)
-        warnings.warn(
+        warn(
             f"{layer_name}: kept {self.describe(interval)} {what}, so keeping it saves nothing. "
-            "Check that the layer emits its markers around real work, or drop the unit from 'keep'.",
-            stacklevel=2,
+            "Check that the layer emits its markers around real work, or drop the unit from 'keep'."
         )
 
 

@@ -7,6 +7,7 @@ pure ``plan`` module, and wrap each layer with the boundary and its policy.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -164,7 +165,7 @@ def apply(
     engine = _attach_offload_engine(model, plan)
     policies = _shared_policies(layers, engine)
     for layer_plan, module in layers:
-        _install_layer(layer_plan, module, policies, engine)
+        _install_layer(layer_plan, module, policies, engine, _call_check(sources, module))
     model.__dict__[_PLAN_ATTR] = _Installed(plan)
     return plan
 
@@ -195,6 +196,7 @@ def _install_layer(
     module: nn.Module,
     policies: dict[tuple, IntervalPolicy],
     engine: OffloadEngine | None,
+    call_check: Callable[..., None] | None = None,
 ) -> None:
     """Wrap one layer as its plan says: the checkpoint wrapper, then the offload wrapper."""
     name = f"{layer_plan.name} ({layer_plan.class_name})"
@@ -204,7 +206,9 @@ def _install_layer(
         if policy is None and (interval_map := interval_map_of(module)) is not None:
             # Full recompute decides nothing by markers, but wrong ones are still an error.
             check = IntervalPolicy(interval_map, (), layer_name=name).marker_checker
-        apply_gradient_checkpointing(module, policy=policy, owner=layer_plan, name=name, marker_check=check)
+        apply_gradient_checkpointing(
+            module, policy=policy, owner=layer_plan, name=name, marker_check=check, call_check=call_check
+        )
     if layer_plan.offloads:
         # Kept units of a selective layer move through its policy; this wrapper owns the
         # layer's group, its input, and the units of a layer that is not checkpointed.
@@ -217,6 +221,16 @@ def _install_layer(
             what=layer_plan.describe_offload(),
             position=layer_plan.index,
         )
+
+
+def _call_check(sources: list[integrations.LayerSource], module: nn.Module) -> Callable[..., None] | None:
+    """The first check an integration gives for ``module``'s checkpointed calls (optional method)."""
+    for source in sources:
+        check = getattr(source, "call_check", None)
+        found = check(module) if check is not None else None
+        if found is not None:
+            return found
+    return None
 
 
 def offload_engine(model: nn.Module) -> OffloadEngine | None:

@@ -14,7 +14,7 @@ Imports only ``actplan.units``; integrations import the config errors and marker
 from __future__ import annotations
 
 import importlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from importlib import metadata
 from typing import Any, Protocol
 
@@ -60,6 +60,13 @@ class LayerSource(Protocol):
 
     def no_layers_error(self, model: nn.Module, layouts: Layouts | None) -> Exception:
         """The error for a recognised model none of whose layers has a usable map."""
+        ...
+
+    def call_check(self, module: nn.Module) -> Callable[..., None] | None:
+        """Optional (the core reads it with ``getattr``): for one of the framework's layers, a
+        check ``check(layer, args, kwargs, name)`` that the checkpoint wrapper runs before each
+        call it checkpoints, raising when the framework's settings or the call's arguments would
+        make the replay differ from the forward; ``None`` for no check."""
         ...
 
 

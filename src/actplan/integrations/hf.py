@@ -13,6 +13,9 @@ or, for models that predate it, the blocks of the model's ``ModuleList`` of laye
 ``checkpoint_record`` markers (module hooks are traced by ``torch.compile``, so the markers
 survive compilation) and gives each layer its ``recompute_intervals``; ``actplan.apply``
 then treats the layers like any other. ``undeclare`` removes every hook and attribute again.
+The source's ``call_check`` gives the checkpoint wrapper of each layer a check run before
+every checkpointed call: Hugging Face's own checkpointing switched on since, or a KV cache,
+is a ``ConfigError`` naming the setting to change (``_hf_hooks.CallCheck``).
 
 ``actplan.apply(hf_model, config, layouts=...)`` calls ``declare`` by itself. Imports:
 ``markers``, ``units``, ``hf_derive`` and ``config`` (for its error type); ``transformers``
@@ -21,15 +24,15 @@ is never imported here, except by ``reference_model``.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
 
+from actplan._callsite import warn
 from actplan.config import ConfigError
-from actplan.integrations._hf_hooks import install_hooks
+from actplan.integrations._hf_hooks import CallCheck, check_hf_checkpointing_off, install_hooks
 from actplan.integrations.hf_derive import (
     ATTENTION_INPUTS,
     Span,
@@ -274,17 +277,6 @@ def layout_error(model: nn.Module, problems: Sequence[FoundLayer] = ()) -> Confi
     )
 
 
-def _check_hf_checkpointing_off(model: nn.Module) -> None:
-    if any(getattr(m, "gradient_checkpointing", False) for m in model.modules()):
-        raise ConfigError(
-            "Hugging Face gradient checkpointing is enabled on this model, and actplan would "
-            "checkpoint the same layers again; call model.activation_checkpointing_disable() "
-            "(model.gradient_checkpointing_disable() on transformers before 5.24) and let actplan's "
-            "config decide what is recomputed. With the Trainer, leave activation_checkpointing "
-            "(gradient_checkpointing) off in TrainingArguments"
-        )
-
-
 def declare(model: nn.Module, layouts: Layouts | None = None) -> int:
     """Declare the units of every decoder layer in ``model``; returns how many.
 
@@ -294,7 +286,7 @@ def declare(model: nn.Module, layouts: Layouts | None = None) -> int:
     is on (both would checkpoint the same layers), when a layer's layout cannot be derived,
     or when no decoder layer has a layout.
     """
-    _check_hf_checkpointing_off(model)
+    check_hf_checkpointing_off(model)
     undeclare(model)
     layer_maps(model, layouts)  # the error for an unsure layer of a transformers model
     found = [layer for layer in find_decoder_layers(model, layouts) if layer.interval_map is not None]
@@ -317,10 +309,9 @@ def declare(model: nn.Module, layouts: Layouts | None = None) -> int:
         # A KV cache passed to every layer is appended to again when a layer is recomputed,
         # so the replay would attend over twice the keys. Transformers turns it off under its
         # own gradient checkpointing too; `undeclare` restores it.
-        warnings.warn(
+        warn(
             f"actplan sets {type(model).__name__}.config.use_cache = False while its plan is "
-            "installed: a KV cache would change between a layer's forward and its recompute",
-            stacklevel=3,
+            "installed: a KV cache would change between a layer's forward and its recompute"
         )
         state.use_cache = True
         config.use_cache = False
@@ -417,6 +408,7 @@ class _HuggingFace:
     """The ``LayerSource`` for ``transformers`` models (see ``actplan.integrations``)."""
 
     name = "huggingface"
+    _check: CallCheck | None = None
 
     def recognises(self, model: nn.Module) -> bool:
         return contains_transformers(model)
@@ -439,6 +431,13 @@ class _HuggingFace:
 
     def no_layers_error(self, model: nn.Module, layouts: Layouts | None) -> Exception:
         return layout_error(model, unsure_layers(model, layouts))
+
+    def call_check(self, module: nn.Module) -> CallCheck | None:
+        if not _from_transformers(module):
+            return None
+        if self._check is None:  # made once transformers is loaded: it looks up its Cache class
+            self._check = CallCheck()
+        return self._check
 
 
 SOURCE = _HuggingFace()

@@ -115,3 +115,27 @@ def test_fake_and_real_steps_cost_the_same_and_kept_matmuls_are_not_recounted():
     assert clocks["matmuls", True].flops == clocks["none", True].flops
     assert clocks["full", True].flops > clocks["none", True].flops
     assert clocks["full", True].seconds > clocks["matmuls", True].seconds > clocks["none", True].seconds
+
+
+def test_a_profile_on_the_roofline_clock_never_keeps_a_unit_that_runs_no_op():
+    """A MoE shape without a shared expert still declares the unit; it runs no op, so no
+    candidate keeps it (the engine would warn that keeping it saves nothing)."""
+    import warnings
+
+    from actplan.measure import FakeRun
+    from actplan.models import build_model
+    from actplan.planning.profile import profile_model
+
+    stages = []
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*ran no op.*")
+        with FakeRun() as fake:
+            bundle = build_model("moe", "tiny", shared_expert_ffn_dim=0)
+            profile = profile_model(
+                bundle, spec="moe", device=fake.device, gpu="h100", progress=lambda e: stages.append(e.stage)
+            )
+    moe = next(t for t in profile.layer_types if t.class_name == "MoEDecoderLayer")
+    kept = {unit for c in moe.candidates for unit in c.kept_units}
+    assert "shared_experts" not in kept and {"moe_experts", "attn_core"} <= kept
+    assert any("shared_experts runs no op here" in stage for stage in stages)
+    assert all(c.extra_seconds >= 0 for c in moe.candidates) and profile.roofline_gpu == "h100"

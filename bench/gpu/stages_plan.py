@@ -7,6 +7,8 @@ import importlib.util
 from dataclasses import dataclass, fields
 from typing import Any
 
+import torch
+
 from actplan.evaluate.bench import policy_config
 from actplan.evaluate.contenders import PolicyRow, config_installer
 from actplan.models import ModelBundle
@@ -59,6 +61,68 @@ def stage_plan(ctx: StageContext, report: StageReport) -> None:
         _predicted_against_measured(report, plan, row)
     meter_check(ctx, report, rows)
     report.markdown += ["", *rows_markdown(report.data["model"], rows, ctx.cuda)]
+    _roofline_against_measured(ctx, report, bundle, profile)
+
+
+def roofline_name(device: Any) -> str:
+    """The roofline table's entry for this device (``h100`` where the table has none)."""
+    from actplan.measure import ACCELERATORS
+
+    if getattr(device, "type", None) != "cuda":
+        return "h100"
+    name = torch.cuda.get_device_name(device).lower()
+    return next((key for key in ACCELERATORS if key in name), "h100")
+
+
+def _roofline_against_measured(ctx: StageContext, report: StageReport, bundle: Any, profile: Any) -> None:
+    """The same model profiled on the roofline clock for this GPU (one clocked step per
+    candidate, no timer): each candidate's predicted extra time next to the measured one. A
+    record for whoever tunes the clock; nothing is checked."""
+    from actplan.planning.profile import profile_model
+
+    gpu = roofline_name(ctx.device)
+    clocked = profile_model(
+        bundle, spec=ctx.profile_name("dense"), device=ctx.device, gpu=gpu, repeats=1,
+        progress=lambda event: None,
+    )  # fmt: skip
+    rows = []
+    for measured_type, clocked_type in zip(profile.layer_types, clocked.layer_types, strict=True):
+        by_name = {c.name: c for c in clocked_type.candidates}
+        for c in measured_type.candidates:
+            if c.name in by_name and not c.offload:
+                rows.append(
+                    {
+                        "layer_type": measured_type.class_name,
+                        "candidate": c.name,
+                        "measured_extra_s": c.extra_seconds,
+                        "roofline_extra_s": by_name[c.name].extra_seconds,
+                        "measured_layer_s": c.layer_seconds,
+                        "roofline_layer_s": by_name[c.name].layer_seconds,
+                    }
+                )
+    report.data["roofline"] = {
+        "gpu": gpu,
+        "base_seconds": {"measured": profile.base_seconds, "roofline": clocked.base_seconds},
+        "candidates": rows,
+    }
+    report.headline(
+        f"roofline {gpu}: step {clocked.base_seconds * 1e3:.1f} ms predicted, "
+        f"{profile.base_seconds * 1e3:.1f} ms measured"
+    )
+    report.markdown += [
+        "",
+        f"## Roofline clock ({gpu}) against measured",
+        "",
+        "| layer | candidate | layer ms measured / roofline | extra ms measured / roofline |",
+        "|---|---|---|---|",
+    ]
+    for row in rows:
+        report.markdown.append(
+            f"| {row['layer_type']} | {row['candidate']} | {row['measured_layer_s'] * 1e3:.2f} / "
+            f"{row['roofline_layer_s'] * 1e3:.2f} | {row['measured_extra_s'] * 1e3:.2f} / "
+            f"{row['roofline_extra_s'] * 1e3:.2f} |"
+        )
+    report.write()
 
 
 def _plans_at_two_budgets(

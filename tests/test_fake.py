@@ -55,6 +55,49 @@ def test_fake_and_real_steps_hold_the_same_bytes_at_every_point(model):
         assert estimate.timeline == real.timeline, preset
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("model", "size", "dtype"),
+    [
+        ("hf-llama", "tiny", torch.float32),
+        ("hf-llama", "small", torch.float32),
+        ("hf-gpt2", "tiny", torch.float32),
+        ("hf-gpt2", "small", torch.float32),
+        # transformers picks torch's grouped GEMM for its experts; its fake kernel takes bf16 only.
+        ("hf-qwen3-moe", "tiny", torch.bfloat16),
+        ("hf-qwen3-moe", "small", torch.bfloat16),
+    ],
+)
+def test_hugging_face_models_hold_the_same_bytes_fake_and_real(model, size, dtype):
+    """transformers reads position ids' values to tell packed batches; on fake tensors the run
+    assumes one sequence per row (``FakeRun(packed=False)``), as the real batch is."""
+    pytest.importorskip("transformers")
+    import transformers.masking_utils  # noqa: F401  (imported before the run, as a user's script does)
+
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        for preset in ("none", "full", "matmuls"):
+            recorder = RoutingRecorder()
+            real = _metered_step(load_model(model, size), preset, torch.device("cpu"), recorder)
+            with FakeRun(routing=recorder.counts or "balanced") as fake:
+                estimate = _metered_step(load_model(model, size), preset, fake.device)
+            assert estimate.peak_bytes == real.peak_bytes, preset
+            assert estimate.marks["forward_end"] == real.marks["forward_end"], preset
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def test_a_fake_run_assumes_unpacked_rows_only_while_it_lasts():
+    masking = pytest.importorskip("transformers.masking_utils")
+    original = masking.find_packed_sequence_indices
+    with FakeRun():
+        assert masking.find_packed_sequence_indices is not original
+    assert masking.find_packed_sequence_indices is original
+    with FakeRun(packed=True):
+        assert masking.find_packed_sequence_indices is original
+
+
 def test_balanced_routing_gives_every_expert_an_equal_share():
     assert balanced_counts(10, 4) == [3, 3, 2, 2]
     assert balanced_counts(8, 4) == [2, 2, 2, 2]

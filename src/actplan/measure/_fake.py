@@ -7,8 +7,13 @@ tensor with the real shape, dtype, strides and storage sharing, but no data, and
 proves fake and real agree to the byte). Fake tensors live on the CPU device: the CPU
 flash-attention op saves what the GPU one saves (the output and the log-sum-exp).
 
-What values decide cannot be faked. One such decision has a stated assumption: how many tokens
-each expert receives (``torch.bincount`` of the router's choices, read with ``.tolist()``).
+What values decide cannot be faked. Two such decisions have stated assumptions. Hugging Face
+``transformers`` tells a batch that packs several sequences per row from the position ids'
+values, and takes fake ones for packed, building a mask a real unpacked batch never holds; a
+``FakeRun`` assumes one sequence per row, as an ordinary training batch has
+(``FakeRun(packed=True)`` keeps transformers' own path; the assumption applies when
+``transformers`` was imported before the run, as building a model from it does). And how many
+tokens each expert receives (``torch.bincount`` of the router's choices, read with ``.tolist()``).
 ``FakeRun(routing="balanced")`` gives every expert an equal share, as capacity planning does;
 ``routing=`` a list of count lists replays recorded counts (one list per ``bincount`` call, in
 order). Any other op whose output size depends on values stops the run with an error naming it.
@@ -24,7 +29,9 @@ Imports torch only.
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+import importlib
+import sys
+from collections.abc import Callable, Sequence
 from typing import Any, Literal, TypeVar
 
 import torch
@@ -154,14 +161,18 @@ class FakeRun:
 
     device = torch.device("cpu")
 
-    def __init__(self, routing: Literal["balanced"] | Sequence[Sequence[int]] = "balanced") -> None:
+    def __init__(
+        self, routing: Literal["balanced"] | Sequence[Sequence[int]] = "balanced", packed: bool = False
+    ) -> None:
         if routing != "balanced" and (
             isinstance(routing, str) or not all(isinstance(c, Sequence) for c in routing)
         ):
             raise ValueError(f"routing must be 'balanced' or a list of count lists, got {routing!r}")
         self.routing = routing
+        self.packed = packed
         self.mode: FakeTensorMode | None = None
         self._routing_mode: _Routing | None = None
+        self._restore: Callable[[], None] | None = None
 
     def __enter__(self) -> FakeRun:
         if self.mode is not None:
@@ -170,11 +181,15 @@ class FakeRun:
         self.mode.__enter__()
         self._routing_mode = _Routing(self.mode, self.routing)
         self._routing_mode.__enter__()
+        self._restore = None if self.packed else _assume_one_sequence_per_row()
         return self
 
     def __exit__(self, *exc: Any) -> None:
         if self.mode is None or self._routing_mode is None:
             raise RuntimeError("FakeRun exited without being entered")
+        if self._restore is not None:
+            self._restore()
+            self._restore = None
         self._routing_mode.__exit__(*exc)
         self.mode.__exit__(*exc)
         self._routing_mode = None
@@ -183,6 +198,27 @@ class FakeRun:
     def bincount_calls(self) -> int:
         """How many token-count results the routing assumption has answered so far."""
         return 0 if self._routing_mode is None else self._routing_mode.calls
+
+
+def _one_sequence_per_row(position_ids: torch.Tensor) -> None:
+    return None  # what transformers answers for a batch it has checked is not packed
+
+
+def _assume_one_sequence_per_row() -> Callable[[], None] | None:
+    """While the run lasts, transformers' packed-sequence check answers "not packed" (its own
+    answer on an unpacked batch, which it cannot reach on fake values); returns the undo.
+    Nothing to do when transformers was not imported or has no such check."""
+    if "transformers" not in sys.modules:
+        return None
+    try:
+        masking = importlib.import_module("transformers.masking_utils")
+    except ImportError:
+        return None
+    original = getattr(masking, "find_packed_sequence_indices", None)
+    if original is None:
+        return None
+    masking.find_packed_sequence_indices = _one_sequence_per_row
+    return lambda: setattr(masking, "find_packed_sequence_indices", original)
 
 
 class RoutingRecorder(TorchDispatchMode):

@@ -150,7 +150,7 @@ def test_shipped_shapes_load_and_say_where_they_come_from():
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--shape", "llama-9b"], "unknown shape 'llama-9b'; known shapes: llama3-70b, llama3-8b"),
+        (["--shape", "llama-9b"], "unknown shape 'llama-9b'; known shapes: deepseek-v3, llama3-70b"),
         (["--shape", "llama3-8b", "--heads", "30"], "heads (30) must divide hidden (4096)"),
         (["--shape", "llama3-8b", "--kv-heads", "5"], "kv_heads (5) must divide heads (32)"),
         (["--shape", "llama3-8b", "--experts", "8"], "apply to model 'moe' only"),
@@ -215,7 +215,8 @@ def test_a_hugging_face_config_maps_onto_the_shape_it_describes(tmp_path):
 @pytest.mark.parametrize(
     ("config", "message"),
     [
-        ({**QWEN3_MOE_CONFIG, "model_type": "deepseek_v3", "kv_lora_rank": 512}, "latent attention"),
+        ({**QWEN3_MOE_CONFIG, "model_type": "gemma3_text", "sliding_window_pattern": 6},
+         "interleaved sliding-window attention"),
         ({"model_type": "t5", "d_model": 512, "num_heads": 8, "vocab_size": 32128,
           "is_encoder_decoder": True},
          "not a decoder actplan can lay out \\(model_type 't5'; missing num_hidden_layers"),
@@ -266,3 +267,146 @@ def test_a_deep_stack_carried_on_from_three_shallow_ones_is_the_deep_stack_stepp
         stepped.flops,
     )
     assert carried.seconds == pytest.approx(stepped.seconds, rel=1e-9) and sizes == real_sizes
+
+
+# Multi-head latent attention (DeepSeek-V2/V3) at a tiny size: query/key heads of 12 + 8, value
+# heads of 10 (narrower, as DeepSeek-V3's 192 against 128).
+MLA = {"q_lora_rank": 24, "kv_lora_rank": 16, "qk_nope_head_dim": 12, "qk_rope_head_dim": 8, "v_head_dim": 10}
+SMALL_MLA = replace(SMALL, **MLA)
+SMALL_MLA_MOE = replace(SMALL_MOE, router="sigmoid", **MLA)
+
+
+@pytest.mark.parametrize("preset", ["none", "full", "matmuls"])
+@pytest.mark.parametrize("shape", [SMALL_MLA, SMALL_MLA_MOE], ids=["mla-dense", "mla-moe"])
+def test_latent_attention_measures_on_fake_tensors_what_it_measures_on_real_ones(shape, preset):
+    fake, sizes = preset_step(shape, preset, "h100", fake=True)
+    real, real_sizes = preset_step(shape, preset, "h100", fake=False)
+    assert (fake.activation_bytes, fake.step_peak_bytes) == (real.activation_bytes, real.step_peak_bytes)
+    assert (fake.flops, sizes) == (real.flops, real_sizes)
+    assert fake.activation_bytes > 0 and fake.flops > 0
+
+
+def test_latent_attention_runs_the_fused_kernel_and_keeps_what_the_presets_say():
+    from actplan.measure import OpCounter
+    from actplan.models import build_model
+
+    bundle = build_model("dense", "tiny", **MLA)
+    with OpCounter() as counter:
+        bundle.model(**bundle.batch(0))
+    # Values padded to the query size: the flash kernel, never the math one with its s x s scores.
+    assert counter[torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default] == 2
+    assert counter[torch.ops.aten._softmax.default] == 0
+    none, full, matmuls = (preset_step(SMALL_MLA, p, "h100")[0] for p in ("none", "full", "matmuls"))
+    assert full.activation_bytes < matmuls.activation_bytes < none.activation_bytes
+    assert none.flops == matmuls.flops < full.flops  # matmuls keeps every projection, down and up
+
+
+@pytest.mark.parametrize("preset", ["full", "attn", "matmuls", "megatron-selective"])
+@pytest.mark.parametrize("model", ["dense", "moe"])
+def test_latent_attention_gradients_are_exact_under_every_preset(model, preset):
+    import copy
+
+    import actplan
+    from actplan.measure import capture_step, compare_steps
+    from actplan.models import build_model, train_step
+
+    def step(m, batch):
+        return capture_step(m, train_step(m, batch, seed=7))
+
+    overrides = {**MLA, "router": "sigmoid"} if model == "moe" else MLA
+    bundle = build_model(model, "tiny", dropout=0.1, **overrides)
+    batch = bundle.batch(0)
+    candidate = copy.deepcopy(bundle.model)
+    actplan.apply(candidate, preset)
+    report = compare_steps(step(bundle.model, batch), step(candidate, batch))
+    assert report.loss_identical and report.max_abs_grad_diff == 0.0, report.worst_param
+    assert report.ok, report
+
+
+def test_a_latent_attention_shape_that_does_not_fit_together_is_named():
+    with pytest.raises(ValueError, match="needs qk_nope_head_dim, qk_rope_head_dim, v_head_dim as well"):
+        replace(SMALL, kv_lora_rank=16).check()
+    with pytest.raises(ValueError, match=r"qk_rope_head_dim \(7\) must be even"):
+        replace(SMALL_MLA, qk_rope_head_dim=7).check()
+    with pytest.raises(ValueError, match="head_dim does not apply to multi-head latent attention"):
+        replace(SMALL_MLA, head_dim=16).check()
+    with pytest.raises(ValueError, match="router 'top1'"):
+        replace(SMALL_MOE, router="top1").check()
+
+
+def test_the_deepseek_v3_shape_splits_heads_and_experts_per_rank():
+    from actplan.measure import FakeRun
+    from actplan.models import build_model
+
+    shape = load_shape("deepseek-v3")
+    assert (shape.layers, shape.hidden, shape.heads, shape.vocab) == (61, 7168, 128, 129280)
+    assert "latent attention: q rank 1536, kv rank 512, qk 128+64, v 128" in shape.describe()
+    rank = shape.per_rank(tp=8, ep=8)
+    assert (rank.heads, rank.ffn, rank.shared_ffn, rank.vocab, rank.head_dim) == (16, 2304, 256, 16160, None)
+    assert (rank.q_lora_rank, rank.kv_lora_rank, rank.experts) == (1536, 512, 256)
+    with FakeRun():  # one rank's dense prefix and a MoE layer: 16 heads, latents whole, 32 experts
+        model = build_model("moe", "small", **replace(rank, layers=4, seq=64).model_overrides()).model
+    attn, moe = model.layers[3].attn, model.layers[3].moe
+    assert tuple(attn.q_b_proj.weight.shape) == (16 * 192, 1536)
+    assert tuple(attn.kv_a_proj_with_mqa.weight.shape) == (512 + 64, 7168)
+    assert tuple(attn.o_proj.weight.shape) == (7168, 16 * 128)
+    assert moe.experts.w_gate.shape[0] == 32 and model.config.router == "sigmoid"
+    assert tuple(model.freqs_cis.shape) == (64, 32)  # RoPE on the 64-wide rotary part only
+
+
+DEEPSEEK_V3_CONFIG = {
+    "model_type": "deepseek_v3", "hidden_size": 7168, "num_hidden_layers": 61, "num_attention_heads": 128,
+    "num_key_value_heads": 128, "intermediate_size": 18432, "moe_intermediate_size": 2048,
+    "n_routed_experts": 256, "num_experts_per_tok": 8, "n_shared_experts": 1, "first_k_dense_replace": 3,
+    "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+    "v_head_dim": 128, "scoring_func": "sigmoid", "topk_method": "noaux_tc", "n_group": 8, "topk_group": 4,
+    "num_nextn_predict_layers": 1, "routed_scaling_factor": 2.5, "vocab_size": 129280,
+    "rope_scaling": {"type": "yarn", "factor": 40},
+}  # fmt: skip
+
+
+def test_a_deepseek_v3_config_maps_onto_the_shipped_shape(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(DEEPSEEK_V3_CONFIG))
+    assert shape_from_hf_config(path) == replace(load_shape("deepseek-v3"), name="deepseek_v3")
+    # transformers writes head_dim = qk_rope_head_dim; it does not size latent attention's heads
+    path.write_text(json.dumps({**DEEPSEEK_V3_CONFIG, "head_dim": 64}))
+    assert shape_from_hf_config(path).head_dim is None
+    # DeepSeek-V2-Lite: queries projected directly, no query latent
+    path.write_text(json.dumps({**DEEPSEEK_V3_CONFIG, "q_lora_rank": None}))
+    lite = shape_from_hf_config(path, seq=32)
+    assert lite.mla and lite.q_lora_rank is None
+
+
+@pytest.mark.parametrize(
+    "shape", [replace(SMALL, layers=7), replace(SMALL_MOE, layers=8)], ids=["dense", "moe"]
+)
+def test_a_shallow_profile_deepened_predicts_what_the_deep_profile_predicts(shape):
+    from actplan.measure import FakeRun
+    from actplan.models import build_model
+    from actplan.planning.estimate import deepened
+    from actplan.planning.profile import profile_model
+
+    def profile(layers: int):
+        with FakeRun() as fake:
+            bundle = build_model(shape.model, "small", **replace(shape, layers=layers).model_overrides())
+            return profile_model(bundle, spec="x", device=fake.device, gpu="h100", progress=lambda e: None)
+
+    base = stack_step(shape, "none", "h100")[0].seconds  # the estimate's `none` row
+    deep = profile(shape.layers)
+    shallow = deepened(profile((shape.first_k_dense or 0) + 4), shape.layers, base)
+    assert base == pytest.approx(deep.base_seconds, rel=1e-9)
+    assert shallow.layer_type_of == deep.layer_type_of
+    assert shallow.param_bytes == deep.param_bytes
+    # AdamW's two moments per parameter; its 4-byte step counters are left out.
+    assert shallow.optimizer_bytes == pytest.approx(deep.optimizer_bytes, rel=1e-3)
+    # Static memory and the optimizer step's temporaries are the estimate's formula.
+    a, b = (replace(p.problem(), static_bytes=0.0, optimizer_step_bytes=0.0) for p in (deep, shallow))
+    names = [[c.name for c in candidates] for candidates in a.layers]
+    for pick in ("none", "full", "matmuls", "mixed"):
+        choices = [
+            row.index("full" if pick == "mixed" and i % 2 else ("none" if pick == "mixed" else pick))
+            for i, row in enumerate(names)
+        ]
+        assert b.peak(choices) == pytest.approx(a.peak(choices), rel=1e-6), pick
+        assert b.seconds(choices) == pytest.approx(a.seconds(choices), rel=1e-6), pick

@@ -1,7 +1,8 @@
 """Reference dense decoder (Llama / Qwen3 style) with every recompute unit marked.
 
-RMSNorm, QK-norm, rotary embeddings, grouped-query attention through SDPA and a
-SwiGLU MLP, in one short file. Decoder layers return a TypedDict. The only
+RMSNorm, QK-norm, rotary embeddings, grouped-query attention through SDPA (or
+DeepSeek's multi-head latent attention, ``MLAttention``, when ``kv_lora_rank`` is
+set) and a SwiGLU MLP, in one short file. Decoder layers return a TypedDict. The only
 actplan import is the marker and the vocabulary: the model knows its units, the
 engine never imports the model.
 
@@ -43,19 +44,46 @@ class DenseConfig:
     # A head size apart from dim / n_heads (Qwen3 has 32 heads of 128 on dim 2048; one rank of
     # a tensor-parallel group holds n_heads / tp heads of the model's size). None: dim / n_heads.
     attn_head_dim: int | None = None
+    # Multi-head latent attention (DeepSeek-V2/V3) when kv_lora_rank is set: queries through a
+    # q_lora_rank latent (directly when None), keys and values from one kv_lora_rank latent;
+    # query and key heads of qk_nope_head_dim + qk_rope_head_dim, value heads of v_head_dim.
+    q_lora_rank: int | None = None
+    kv_lora_rank: int | None = None
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
 
     @property
     def head_dim(self) -> int:
         return self.attn_head_dim or self.dim // self.n_heads
 
+    @property
+    def mla(self) -> bool:
+        return bool(self.kv_lora_rank)
+
+    @property
+    def rope_dim(self) -> int:
+        """The size RoPE turns: the rotary part of an MLA head, or the whole head."""
+        return self.qk_rope_head_dim if self.mla else self.head_dim
+
     def __post_init__(self) -> None:
-        if (self.attn_head_dim is None and self.dim % self.n_heads) or self.n_heads % self.n_kv_heads:
+        if self.mla:
+            sizes = (self.kv_lora_rank, self.q_lora_rank or 1, self.qk_nope_head_dim, self.v_head_dim)
+            if (
+                min(*sizes, self.qk_rope_head_dim) < 1
+                or self.v_head_dim > self.qk_nope_head_dim + self.qk_rope_head_dim
+            ):
+                raise ValueError(
+                    f"latent attention sizes must be positive and v_head_dim ({self.v_head_dim}) at most "
+                    f"qk_nope_head_dim + qk_rope_head_dim ({self.qk_nope_head_dim + self.qk_rope_head_dim})"
+                )
+        elif (self.attn_head_dim is None and self.dim % self.n_heads) or self.n_heads % self.n_kv_heads:
             raise ValueError(
                 f"dim ({self.dim}) must divide by n_heads ({self.n_heads}) (or give attn_head_dim) "
                 f"and n_heads by n_kv_heads ({self.n_kv_heads})"
             )
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim ({self.head_dim}) must be even for rotary embeddings")
+        if self.rope_dim % 2:
+            raise ValueError(f"rotary head size ({self.rope_dim}) must be even for rotary embeddings")
         if self.seq_len > self.max_seq_len:
             raise ValueError(f"seq_len ({self.seq_len}) exceeds max_seq_len ({self.max_seq_len})")
 
@@ -175,6 +203,87 @@ class Attention(nn.Module):
         return hidden_states + attn_out
 
 
+class MLAttention(nn.Module):
+    """Pre-norm multi-head latent attention (DeepSeek-V2/V3) with the units of ``Attention``.
+
+    Queries go through a low-rank latent (``q_a_proj``, RMSNorm, ``q_b_proj``; one ``q_proj``
+    when ``q_lora_rank`` is None). Keys and values come from one latent: ``kv_a_proj_with_mqa``
+    gives it and a rotary key part shared by every head; RMSNorm; ``kv_b_proj`` gives each
+    head's non-rotary key and its value. RoPE turns only the rotary parts. Units: the down and
+    up projections are ``qkv_proj``, the two latent norms ``qk_norm``, rotating and joining
+    the key and query parts ``rope``.
+
+    SDPA's fused (flash) kernel takes one head size for q, k and v, so values are zero-padded
+    from v_head_dim to the query size inside ``attn_core`` and the output sliced back, as
+    Hugging Face runs DeepSeek-V3 under flash-attention 2. Unpadded, SDPA on the CPU falls back
+    to the math kernel, which holds the s x s scores a GPU kernel does not.
+    """
+
+    intervals: ClassVar[dict[str, MarkerInterval | list[MarkerInterval]]] = {
+        "attn_norm": MarkerInterval("attn_norm", "qkv_proj"),
+        # down projections to the latents, then (after their norms) the up projections
+        "qkv_proj": [MarkerInterval("qkv_proj", "qk_norm"), MarkerInterval("qkv_up", "rope")],
+        "qk_norm": MarkerInterval("qk_norm", "qkv_up"),
+        "rope": MarkerInterval("rope", "attn_core"),
+        "attn_core": MarkerInterval("attn_core", "attn_proj"),
+        "attn_proj": MarkerInterval("attn_proj", "attn_residual"),
+    }
+
+    def __init__(self, config: DenseConfig) -> None:
+        super().__init__()
+        self.config = config
+        heads, qk_dim = config.n_heads, config.qk_nope_head_dim + config.qk_rope_head_dim
+        self.attn_norm = RMSNorm(config.dim, config.norm_eps)
+        if config.q_lora_rank:
+            self.q_a_proj = nn.Linear(config.dim, config.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(config.q_lora_rank, config.norm_eps)
+            self.q_b_proj = nn.Linear(config.q_lora_rank, heads * qk_dim, bias=False)
+        else:
+            self.q_proj = nn.Linear(config.dim, heads * qk_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(
+            config.dim, config.kv_lora_rank + config.qk_rope_head_dim, bias=False
+        )
+        self.kv_a_layernorm = RMSNorm(config.kv_lora_rank, config.norm_eps)
+        self.kv_b_proj = nn.Linear(
+            config.kv_lora_rank, heads * (config.qk_nope_head_dim + config.v_head_dim), bias=False
+        )
+        self.o_proj = nn.Linear(heads * config.v_head_dim, config.dim, bias=False)
+
+    def forward(self, hidden_states: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+        cfg = self.config
+        batch, seq, _ = hidden_states.shape
+        heads, nope, rope, v_dim = cfg.n_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        checkpoint_record("attn_norm")
+        x = self.attn_norm(hidden_states)
+        checkpoint_record("qkv_proj")
+        q_latent = self.q_a_proj(x) if cfg.q_lora_rank else None
+        kv_latent, k_rope = self.kv_a_proj_with_mqa(x).split([cfg.kv_lora_rank, rope], dim=-1)
+        checkpoint_record("qk_norm")
+        if q_latent is not None:
+            q_latent = self.q_a_layernorm(q_latent)
+        kv_latent = self.kv_a_layernorm(kv_latent)
+        checkpoint_record("qkv_up")
+        q = self.q_b_proj(q_latent) if q_latent is not None else self.q_proj(x)
+        q_nope, q_rope = q.view(batch, seq, heads, nope + rope).split([nope, rope], dim=-1)
+        kv = self.kv_b_proj(kv_latent).view(batch, seq, heads, nope + v_dim)
+        k_nope, v = kv.split([nope, v_dim], dim=-1)
+        checkpoint_record("rope")
+        q = torch.cat([q_nope, apply_rope(q_rope, freqs_cis)], dim=-1)
+        k_rope = apply_rope(k_rope.unsqueeze(2), freqs_cis).expand(-1, -1, heads, -1)
+        k = torch.cat([k_nope, k_rope], dim=-1)
+        checkpoint_record("attn_core")
+        if v_dim < nope + rope:
+            v = F.pad(v, (0, nope + rope - v_dim))
+        attn = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
+        checkpoint_record("attn_proj")
+        attn_out = self.o_proj(attn[..., :v_dim].transpose(1, 2).reshape(batch, seq, -1))
+        attn_out = dropout(attn_out, cfg.dropout, self.training)
+        checkpoint_record("attn_residual")
+        return hidden_states + attn_out
+
+
 class SwiGLU(nn.Module):
     """Pre-norm SwiGLU MLP; returns the residual stream after it."""
 
@@ -212,14 +321,24 @@ class DecoderLayer(nn.Module):
     recompute_intervals: ClassVar[RecomputeIntervalMap] = RecomputeIntervalMap(
         {**Attention.intervals, **SwiGLU.intervals}
     )
+    attention_class: ClassVar[type[nn.Module]] = Attention
 
     def __init__(self, config: DenseConfig) -> None:
         super().__init__()
-        self.attn = Attention(config)
+        self.attn = self.attention_class(config)
         self.mlp = SwiGLU(config)
 
     def forward(self, hidden_states: torch.Tensor, *, freqs_cis: torch.Tensor) -> DecoderLayerOutput:
         return {"hidden_states": self.mlp(self.attn(hidden_states, freqs_cis))}
+
+
+class MLADecoderLayer(DecoderLayer):
+    """Multi-head latent attention then SwiGLU (DeepSeek's dense layers)."""
+
+    recompute_intervals: ClassVar[RecomputeIntervalMap] = RecomputeIntervalMap(
+        {**MLAttention.intervals, **SwiGLU.intervals}
+    )
+    attention_class: ClassVar[type[nn.Module]] = MLAttention
 
 
 class SeededGenerators:
@@ -262,12 +381,13 @@ class DenseModel(nn.Module):
         super().__init__()
         self.config = config
         self.embed = nn.Embedding(config.vocab_size, config.dim)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.n_layers))
+        layer = MLADecoderLayer if config.mla else DecoderLayer
+        self.layers = nn.ModuleList(layer(config) for _ in range(config.n_layers))
         self.norm = RMSNorm(config.dim, config.norm_eps)
         self.lm_head = nn.Linear(config.dim, config.vocab_size, bias=False)
         self.register_buffer(
             "freqs_cis",
-            rope_frequencies(config.head_dim, config.max_seq_len, config.rope_theta),
+            rope_frequencies(config.rope_dim, config.max_seq_len, config.rope_theta),
             persistent=False,
         )
         self.reset_parameters()

@@ -1,6 +1,7 @@
 """Reference mixture-of-experts decoder, with optional expert parallelism.
 
-Qwen3-MoE / DeepSeek style: the attention block of the dense model, then a top-k
+Qwen3-MoE / DeepSeek style: the attention block of the dense model (grouped-query, or
+multi-head latent attention when ``kv_lora_rank`` is set), then a top-k
 router (softmax or sigmoid scores, auxiliary load-balancing loss), token
 dispatch sorted by expert, per-expert SwiGLU GEMMs, an always-on shared expert,
 and a weighted combine. The first ``first_k_dense`` layers keep a dense MLP.
@@ -28,6 +29,8 @@ from actplan.models.dense import (
     Attention,
     DecoderLayer,
     DenseConfig,
+    MLADecoderLayer,
+    MLAttention,
     RMSNorm,
     SeededGenerators,
     preset_config,
@@ -289,15 +292,25 @@ class MoEDecoderLayer(nn.Module):
     recompute_intervals: ClassVar[RecomputeIntervalMap] = RecomputeIntervalMap(
         {**Attention.intervals, **MoE.intervals}
     )
+    attention_class: ClassVar[type[nn.Module]] = Attention
 
     def __init__(self, config: MoEConfig, experts: ExpertGroup) -> None:
         super().__init__()
-        self.attn = Attention(config)
+        self.attn = self.attention_class(config)
         self.moe = MoE(config, experts)
 
     def forward(self, hidden_states: torch.Tensor, *, freqs_cis: torch.Tensor) -> MoELayerOutput:
         hidden_states, aux_loss, expert_ids = self.moe(self.attn(hidden_states, freqs_cis))
         return {"hidden_states": hidden_states, "aux_loss": aux_loss, "expert_ids": expert_ids}
+
+
+class MLAMoEDecoderLayer(MoEDecoderLayer):
+    """Multi-head latent attention then routed experts (DeepSeek-V2/V3's MoE layers)."""
+
+    recompute_intervals: ClassVar[RecomputeIntervalMap] = RecomputeIntervalMap(
+        {**MLAttention.intervals, **MoE.intervals}
+    )
+    attention_class: ClassVar[type[nn.Module]] = MLAttention
 
 
 class MoEOutput(TypedDict):
@@ -314,15 +327,18 @@ class MoEModel(nn.Module):
         self.config = config
         self.expert_group = ExpertGroup(config.n_experts, ep_group, config.simulated_ep)
         self.embed = nn.Embedding(config.vocab_size, config.dim)
+        dense_layer, moe_layer = (
+            (MLADecoderLayer, MLAMoEDecoderLayer) if config.mla else (DecoderLayer, MoEDecoderLayer)
+        )
         self.layers = nn.ModuleList(
-            DecoderLayer(config) if i < config.first_k_dense else MoEDecoderLayer(config, self.expert_group)
+            dense_layer(config) if i < config.first_k_dense else moe_layer(config, self.expert_group)
             for i in range(config.n_layers)
         )
         self.norm = RMSNorm(config.dim, config.norm_eps)
         self.lm_head = nn.Linear(config.dim, config.vocab_size, bias=False)
         self.register_buffer(
             "freqs_cis",
-            rope_frequencies(config.head_dim, config.max_seq_len, config.rope_theta),
+            rope_frequencies(config.rope_dim, config.max_seq_len, config.rope_theta),
             persistent=False,
         )
         self.reset_parameters()

@@ -20,14 +20,20 @@ import yaml
 __all__ = ["DTYPES", "Shape", "load_shape", "shape_from_hf_config", "shape_names"]
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-_MOE_FIELDS = ("experts", "top_k", "expert_ffn", "shared_ffn", "first_k_dense")
+_MOE_FIELDS = ("experts", "top_k", "expert_ffn", "shared_ffn", "first_k_dense", "router")
+# Multi-head latent attention (DeepSeek-V2/V3): the reference config's fields, same names.
+_MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
 
 @dataclass(frozen=True)
 class Shape:
     """A decoder's shape and one GPU's batch: what the estimate builds (``model``: the reference
     model, ``dense`` or ``moe``). ``batch`` is per GPU. ``head_dim`` apart from hidden/heads
-    (Qwen3). ``tp`` and ``ep`` are set by ``per_rank``: the layout this rank's shape is one of."""
+    (Qwen3). ``kv_lora_rank`` (with ``qk_nope_head_dim``, ``qk_rope_head_dim``, ``v_head_dim``
+    and optionally ``q_lora_rank``) makes the attention multi-head latent attention (DeepSeek),
+    whose keys and values have a head each (``kv_heads`` is not used). ``router``: ``softmax``
+    (the default) or ``sigmoid`` scores. ``tp`` and ``ep`` are set by ``per_rank``: the layout
+    this rank's shape is one of."""
 
     model: str = "dense"
     layers: int = 32
@@ -45,6 +51,12 @@ class Shape:
     expert_ffn: int | None = None
     shared_ffn: int | None = None
     first_k_dense: int | None = None
+    router: str | None = None
+    q_lora_rank: int | None = None
+    kv_lora_rank: int | None = None
+    qk_nope_head_dim: int | None = None
+    qk_rope_head_dim: int | None = None
+    v_head_dim: int | None = None
     tp: int = 1
     ep: int = 1
     name: str = "custom"
@@ -56,11 +68,13 @@ class Shape:
         for name in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq", "batch"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.head_dim is None and self.hidden % self.heads:
+        if self.mla or any(getattr(self, name) is not None for name in _MLA_FIELDS):
+            self._check_mla()
+        elif self.head_dim is None and self.hidden % self.heads:
             raise ValueError(f"heads ({self.heads}) must divide hidden ({self.hidden}), or give --head-dim")
-        if self.heads % self.kv_heads:
+        elif self.heads % self.kv_heads:
             raise ValueError(f"kv_heads ({self.kv_heads}) must divide heads ({self.heads})")
-        if self.attention_head_dim % 2:
+        elif self.attention_head_dim % 2:
             raise ValueError(f"head size {self.attention_head_dim} must be even (RoPE)")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
@@ -79,6 +93,34 @@ class Shape:
                 raise ValueError(
                     f"first_k_dense ({self.first_k_dense}) must be within 0..layers ({self.layers})"
                 )
+            if self.router not in (None, "softmax", "sigmoid"):
+                raise ValueError(f"router {self.router!r}: choose 'softmax' or 'sigmoid'")
+
+    def _check_mla(self) -> None:
+        missing = [name for name in _MLA_FIELDS[1:] if getattr(self, name) is None]
+        if missing:
+            raise ValueError(f"multi-head latent attention needs {', '.join(missing)} as well")
+        given = {name: getattr(self, name) for name in _MLA_FIELDS if getattr(self, name) is not None}
+        wrong = [f"{name} ({value})" for name, value in given.items() if value < 1]
+        if wrong:
+            raise ValueError(f"{', '.join(wrong)} must be positive")
+        qk = self.qk_nope_head_dim + self.qk_rope_head_dim
+        if self.v_head_dim > qk:
+            raise ValueError(
+                f"v_head_dim ({self.v_head_dim}) must be at most qk_nope_head_dim + qk_rope_head_dim ({qk})"
+            )
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(f"qk_rope_head_dim ({self.qk_rope_head_dim}) must be even (RoPE)")
+        if self.head_dim is not None:
+            raise ValueError(
+                "head_dim does not apply to multi-head latent attention: qk_nope_head_dim + "
+                "qk_rope_head_dim size its query and key heads, v_head_dim its value heads"
+            )
+
+    @property
+    def mla(self) -> bool:
+        """Whether the attention is multi-head latent attention."""
+        return bool(self.kv_lora_rank)
 
     @property
     def attention_head_dim(self) -> int:
@@ -89,13 +131,19 @@ class Shape:
         the dense and shared-expert FFN and the vocabulary split ``tp`` ways, as column- and
         row-parallel linears and a vocabulary-parallel loss split them) and expert parallelism
         over ``ep`` ranks (each holds experts/ep experts). Raises ``ValueError`` naming what
-        does not divide."""
+        does not divide.
+
+        Multi-head latent attention splits its heads ``tp`` ways too (the up projections
+        ``q_b_proj`` and ``kv_b_proj`` column-parallel, ``o_proj`` row-parallel); the down
+        projections to the latents, the rotary key part and the latents' norms are replicated,
+        whole, on every rank, as torchtitan's DeepSeek-V3 tensor-parallel plan leaves them."""
         self.check()
         if tp < 1 or ep < 1:
             raise ValueError(f"--tp and --ep must be 1 or more, got tp={tp}, ep={ep}")
         if self.tp != 1 or self.ep != 1:
             raise ValueError(f"{self.name} is already one rank's shape (tp={self.tp}, ep={self.ep})")
-        split = {"heads": self.heads, "kv_heads": self.kv_heads, "ffn": self.ffn, "vocab": self.vocab}
+        split = {"heads": self.heads, "kv_heads": self.heads if self.mla else self.kv_heads}
+        split |= {"ffn": self.ffn, "vocab": self.vocab}
         if self.shared_ffn:
             split["shared_ffn"] = self.shared_ffn
         wrong = [f"{name} ({value})" for name, value in split.items() if value % tp]
@@ -106,7 +154,8 @@ class Shape:
         if ep > 1 and self.experts % ep:
             raise ValueError(f"--ep {ep} must divide experts ({self.experts}); choose a divisor")
         divided = {name: value // tp for name, value in split.items()}
-        return replace(self, **divided, head_dim=self.attention_head_dim, tp=tp, ep=ep)
+        head_dim = None if self.mla else self.attention_head_dim
+        return replace(self, **divided, head_dim=head_dim, tp=tp, ep=ep)
 
     def model_overrides(self) -> dict[str, Any]:
         """The reference model's config fields for this shape."""
@@ -123,9 +172,13 @@ class Shape:
         }
         if self.head_dim is not None:
             overrides["attn_head_dim"] = self.head_dim
+        if self.mla:
+            overrides |= {name: getattr(self, name) for name in _MLA_FIELDS}
+            overrides["n_kv_heads"] = self.heads
         if self.model == "moe":
             names = {"experts": "n_experts", "top_k": "top_k", "expert_ffn": "expert_ffn_dim"}
             names |= {"shared_ffn": "shared_expert_ffn_dim", "first_k_dense": "first_k_dense"}
+            names |= {"router": "router"}
             overrides |= {names[f]: getattr(self, f) for f in _MOE_FIELDS if getattr(self, f) is not None}
             if self.ep > 1:
                 overrides["simulated_ep"] = self.ep
@@ -134,12 +187,21 @@ class Shape:
     def describe(self) -> str:
         own_size = self.head_dim and self.head_dim * self.heads * self.tp != self.hidden
         heads = f"{self.heads} heads" + (f" of {self.head_dim}" if own_size else "")
+        if self.mla:
+            q = f"q rank {self.q_lora_rank}, " if self.q_lora_rank else ""
+            heads += (
+                f" (latent attention: {q}kv rank {self.kv_lora_rank}, qk {self.qk_nope_head_dim}"
+                f"+{self.qk_rope_head_dim}, v {self.v_head_dim})"
+            )
+        else:
+            heads += f" ({self.kv_heads} KV)"
         text = (
-            f"{self.name}: {self.model}, {self.layers} layers, hidden {self.hidden}, {heads} "
-            f"({self.kv_heads} KV), ffn {self.ffn}, vocab {self.vocab}"
+            f"{self.name}: {self.model}, {self.layers} layers, hidden {self.hidden}, {heads}, "
+            f"ffn {self.ffn}, vocab {self.vocab}"
         )
         if self.model == "moe":
-            text += f", {self.experts} experts (top {self.top_k}, ffn {self.expert_ffn})"
+            router = f", {self.router} router" if self.router else ""
+            text += f", {self.experts} experts (top {self.top_k}, ffn {self.expert_ffn}{router})"
         if self.tp > 1 or self.ep > 1:
             text += f"; one rank of tp {self.tp} x ep {self.ep}"
         return text + f"; {self.batch} x {self.seq} tokens per GPU, {self.dtype}"
@@ -193,10 +255,11 @@ _HF_KEYS: dict[str, tuple[str, ...]] = {
     "expert_ffn": ("moe_intermediate_size",),
     "shared_ffn": ("shared_expert_intermediate_size",),
     "first_k_dense": ("first_k_dense_replace",),
+    "router": ("scoring_func",),
+    **{name: (name,) for name in _MLA_FIELDS},
 }
 # Attention the reference models do not have: refused rather than estimated as something else.
 _UNSUPPORTED = {
-    "kv_lora_rank": "multi-head latent attention (DeepSeek-V2/V3's MLA)",
     "sliding_window_pattern": "interleaved sliding-window attention",
     "linear_attn_config": "linear attention",
 }
@@ -204,9 +267,10 @@ _UNSUPPORTED = {
 
 def shape_from_hf_config(path: str | Path, **overrides: Any) -> Shape:
     """A shape from a Hugging Face ``config.json`` (a file, or a folder holding one; read
-    locally, never downloaded), with ``overrides`` applied. A Llama-, Mistral-, Qwen- or
-    Mixtral-style decoder maps onto the reference dense or MoE model; anything else is refused
-    with the reason."""
+    locally, never downloaded), with ``overrides`` applied. A Llama-, Mistral-, Qwen-, Mixtral-
+    or DeepSeek-V2/V3-style decoder (multi-head latent attention) maps onto the reference dense
+    or MoE model; anything else is refused with the reason. DeepSeek-V3's multi-token
+    prediction module (``num_nextn_predict_layers``) is not laid out."""
     path = Path(path)
     if path.is_dir():
         path = path / "config.json"
@@ -239,8 +303,10 @@ def shape_from_hf_config(path: str | Path, **overrides: Any) -> Shape:
         )
     found["kv_heads"] = found["kv_heads"] or found["heads"]
     found["ffn"] = found["ffn"] or 4 * found["hidden"]
-    if found["head_dim"] == found["hidden"] // found["heads"]:
-        found["head_dim"] = None
+    if found["head_dim"] == found["hidden"] // found["heads"] or found["kv_lora_rank"]:
+        found["head_dim"] = None  # MLA: transformers sets head_dim to qk_rope_head_dim
+    if not found["kv_lora_rank"]:
+        found |= dict.fromkeys(_MLA_FIELDS)
     moe = found["experts"] is not None and found["top_k"] is not None
     if moe:
         found["expert_ffn"] = found["expert_ffn"] or found["ffn"]

@@ -49,7 +49,7 @@ from actplan.models import build_model, loss_of
 from actplan.models.shape import DTYPES, Shape
 from actplan.planning.choose import config_for
 from actplan.planning.planner import BudgetError, minimum_peak, none_peak, solve
-from actplan.planning.profile import profile_model
+from actplan.planning.profile import ModelProfile, profile_model
 from actplan.sizes import human_bytes
 
 __all__ = ["EstimateResult", "EstimateRow", "estimate", "preset_step", "stack_step"]
@@ -216,17 +216,63 @@ def stack_step(
     return row, size
 
 
+_PROFILE_DEPTH = 4  # layers past the dense prefix in the profiled stack
+
+
+def deepened(profile: ModelProfile, layers: int, base_seconds: float) -> ModelProfile:
+    """A shallow stack's profile carried on to ``layers``: the new layers are copies of the
+    stack's last-but-one (a middle layer: its type, gradient bytes and measured backward
+    extra), inserted below the last, whose backward runs first, next to the loss head.
+    ``base_seconds`` is the deep stack's step time without checkpointing, measured (the
+    estimate's ``none`` row: an isolated layer's time is not its share of a model's).
+    Parameters and AdamW state grow by the copies' gradient bytes (once and twice); the
+    whole-model peaks of ``none`` and ``full`` stay the shallow stack's (the estimate plans
+    with its own static memory)."""
+    have = len(profile.layer_type_of)
+    if layers <= have:
+        return profile
+    if have < 2:
+        raise ValueError(f"a profile of {have} layer cannot be deepened; profile two or more")
+    added = layers - have
+
+    def grown(values: list) -> list:
+        return values[:-1] + [values[-2]] * added + values[-1:] if values else values
+
+    type_of = grown(list(profile.layer_type_of))
+    types = [
+        replace(t, layer_indices=[i for i, key in enumerate(type_of) if key == t.key])
+        for t in profile.layer_types
+    ]
+    layer_bytes = profile.layer_grad_bytes[-2] if profile.layer_grad_bytes else 0
+    return replace(
+        profile,
+        # A layer's parameters are its gradients' size, and AdamW keeps two moments of each
+        # (and a 4-byte step counter per tensor, left out).
+        param_bytes=profile.param_bytes + added * layer_bytes,
+        optimizer_bytes=profile.optimizer_bytes + 2 * added * layer_bytes,
+        base_seconds=base_seconds,
+        layer_type_of=type_of,
+        layer_types=types,
+        layer_grad_bytes=grown(list(profile.layer_grad_bytes)),
+        layer_backward_extra_bytes=grown(list(profile.layer_backward_extra_bytes)),
+    )
+
+
 def _plans(
     shape: Shape,
     gpu: str,
     static: int,
     budgets: Sequence[int] | None,
+    base_seconds: float,
     say: Callable[[str], None],
 ) -> list[tuple[int, RecomputeConfig, float, float]]:
     """Profile and plan on fake tensors with the roofline clock; per budget (``None``: three
     spread over the feasible range), the plan, its predicted peak and its predicted ratio."""
+    # Profiled on a shallow stack (the dense prefix and a few alike layers), then deepened: its
+    # whole-model steps are what a profile spends most on. The plans' own steps check it.
+    shallow = replace(shape, layers=min(shape.layers, (shape.first_k_dense or 0) + _PROFILE_DEPTH))
     with _default_dtype(DTYPES[shape.dtype]), FakeRun() as fake:
-        bundle = build_model(shape.model, "small", **shape.model_overrides())
+        bundle = build_model(shallow.model, "small", **shallow.model_overrides())
         profile = profile_model(
             bundle,
             spec=shape.name,
@@ -234,6 +280,7 @@ def _plans(
             gpu=gpu,
             progress=lambda event: say(f"profiling on fake tensors: {event.stage}"),
         )
+    profile = deepened(profile, shape.layers, base_seconds)
     # The measured static terms are the unsharded model's; the planner plans one FSDP rank.
     problem = replace(
         profile.problem(),
@@ -302,8 +349,11 @@ def estimate(
     gathered = 2 * sizes.largest_unit * DTYPES[shape.dtype].itemsize
     if plans:
         budgets = None if budget_bytes is None else [budget_bytes]
+        none_row = next((r for r in rows if r.preset == "none"), None)
+        if none_row is None:
+            none_row, _ = stack_step(rank_shape, "none", accel.name)
         for budget, config, predicted_peak, predicted_ratio in _plans(
-            rank_shape, accel.name, static + gathered, budgets, say
+            rank_shape, accel.name, static + gathered, budgets, none_row.seconds, say
         ):
             say(f"stepping the plan for {human_bytes(budget)} on fake tensors")
             row, _ = preset_step(rank_shape, config, accel.name)

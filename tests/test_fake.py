@@ -165,3 +165,25 @@ def test_torch_memtracker_agrees_on_the_fake_peak(preset):
     assert abs(theirs["Total"] / ours.peak_bytes - 1) < 0.01, (theirs, ours.peak_bytes)
     activations = theirs[mem_tracker._MemRefType.ACT] + theirs[mem_tracker._MemRefType.TEMP]
     assert activations > ours.param_bytes  # the regime the comparison is meant for
+
+
+@pytest.mark.parametrize("model", ["dense", "moe", "hf-llama"])
+def test_the_long_size_is_activation_dominated_as_llm_training_is(model):
+    """The benches' ``long`` size: activations alive at the end of forward are at least twice
+    the parameters, gradients and AdamW state, and two thirds of the step's peak without
+    checkpointing (measured on fake tensors: nothing is computed)."""
+    if model.startswith("hf-"):
+        pytest.importorskip("transformers")
+        import transformers.masking_utils  # noqa: F401
+    with FakeRun() as fake:
+        bundle = load_model(model, "long")
+        optimizer = torch.optim.AdamW(bundle.model.parameters(), lr=1e-4)
+        train_step(bundle.model, bundle.batch(0, fake.device), optimizer, seed=0)  # AdamW state
+        with MemoryMeter(bundle.model, optimizer) as meter:
+            loss = bundle.model(**bundle.batch(0, fake.device))["loss"]
+            activations = meter.mark("forward_end").activation_bytes
+            loss.backward()
+        report = meter.report()
+    static = report.param_bytes + report.optimizer_bytes + report.param_bytes  # + gradients
+    assert activations >= 2 * static, (activations, static)
+    assert activations >= 2 / 3 * report.peak_bytes, (activations, report.peak_bytes)

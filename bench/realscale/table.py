@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import resource
 import time
 from pathlib import Path
 
@@ -35,8 +36,15 @@ LAYOUTS: dict[str, tuple[int, int, int]] = {
     # activation, so the MoE shapes shard over 32.
     "mixtral-8x7b": (32, 1, 8),
     "qwen3-30b-a3b": (32, 1, 8),
+    # 671 B parameters: 16 bytes each over 256 ranks is 39 GiB; 256 experts over 32 ranks.
+    "deepseek-v3": (256, 1, 32),
 }
 SEQ = 8192
+# The time goals: profile and plan of llama3-8b in 60 s and 2 GiB of host memory,
+# llama3-70b and the DeepSeek-V3-like shape in 3 minutes each (the table's runs also step
+# five presets and three plans).
+GOAL_SECONDS = {"llama3-8b": 60, "llama3-70b": 180, "deepseek-v3": 180}
+GOAL_RSS_BYTES = {"llama3-8b": 2 * 2**30}
 GPU = "h100"
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 
@@ -59,6 +67,27 @@ def render(results: dict[str, dict]) -> str:
         "prediction, the row the plan's own fake step.",
         "",
     ]
+    lines += [
+        "## Goals",
+        "",
+        "| shape | estimate took (goal) | peak host memory so far (goal) |",
+        "|---|---:|---:|",
+    ]
+    for name, result in results.items():
+        goal = GOAL_SECONDS.get(name)
+        took = f"{result['seconds_taken']:.0f} s" + (
+            f" ({goal} s: {'met' if result['seconds_taken'] <= goal else 'missed'})" if goal else ""
+        )
+        rss_goal = GOAL_RSS_BYTES.get(name)
+        rss = result.get("max_rss_bytes")
+        rss_text = (
+            "-"
+            if rss is None
+            else f"{rss / 2**30:.2f} GiB"
+            + (f" ({rss_goal / 2**30:.0f} GiB: {'met' if rss <= rss_goal else 'missed'})" if rss_goal else "")
+        )
+        lines.append(f"| {name} | {took} | {rss_text} |")
+    lines.append("")
     for name, result in results.items():
         lines += [
             f"## {name}: {result['layout']}",
@@ -104,7 +133,10 @@ def run(names: list[str]) -> dict[str, dict]:
         data = result.to_dict()
         for row in data["rows"]:
             row.pop("plan_yaml", None)  # the plans are in the table as rows; the YAML is not kept
-        data |= {"layout": _layout(fsdp, tp, ep), "machine": machine}
+        # The process's peak resident memory so far (shapes run in this order, so the first
+        # shape's figure is its own).
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        data |= {"layout": _layout(fsdp, tp, ep), "machine": machine, "max_rss_bytes": rss}
         results[name] = data
         print(f"  done in {time.perf_counter() - started:.0f} s", flush=True)
     return results

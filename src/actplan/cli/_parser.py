@@ -29,7 +29,7 @@ MODEL_HELP = (
 )
 DEFAULT_SIZE = "small"
 """The one ``--size`` default of every command."""
-SIZE_HELP = "size of a built-in model (tiny, small)"
+SIZE_HELP = "size of a built-in model (tiny, small, long: activations dominate)"
 
 
 class _HelpFormatter(argparse.HelpFormatter):

@@ -103,6 +103,10 @@ PRESETS: dict[str, DenseConfig] = {
     ),
     # About half a second per training step on two CPU cores: for the bench.
     "small": DenseConfig(),
+    # Activations dominate, as in LLM training at long sequences: 2 x 1024 tokens through a
+    # narrow model hold several times the parameters, gradients and AdamW state.
+    "long": DenseConfig(dim=256, n_layers=6, n_heads=4, n_kv_heads=2, ffn_dim=768, max_seq_len=1024,
+                        batch_size=2, seq_len=1024),
 }
 
 

@@ -18,8 +18,11 @@ _REFERENCE_SHAPES = {
                  num_key_value_heads=2, vocab_size=128, max_position_embeddings=64),
     "small": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
                   num_key_value_heads=2, vocab_size=4096, max_position_embeddings=1024),
+    # Activations dominate, as at long sequences (see the dense model's "long").
+    "long": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=6, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=4096, max_position_embeddings=1024),
 }  # fmt: skip
-_BATCH = {"tiny": (2, 16), "small": (2, 256)}
+_BATCH = {"tiny": (2, 16), "small": (2, 256), "long": (2, 1024)}
 
 
 def _moe(shapes: dict[str, int]) -> int:

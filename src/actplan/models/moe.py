@@ -106,6 +106,23 @@ PRESETS: dict[str, MoEConfig] = {
         batch_size=8,
         seq_len=256,
     ),
+    # Activations dominate more still (see dense's "long"): 2 x 1024 tokens, narrow experts.
+    "long": MoEConfig(
+        vocab_size=4096,
+        dim=256,
+        n_layers=6,
+        n_heads=4,
+        n_kv_heads=2,
+        ffn_dim=768,
+        n_experts=8,
+        top_k=2,
+        expert_ffn_dim=128,
+        shared_expert_ffn_dim=128,
+        first_k_dense=1,
+        max_seq_len=1024,
+        batch_size=2,
+        seq_len=1024,
+    ),
 }
 
 

@@ -1,23 +1,31 @@
 """``actplan profile`` and ``actplan plan`` (a budget, or ``--sweep`` for the whole predicted
 front): profile the model's layer types, solve, write and check the plan.
 
+When the profile's times did not settle (a busy machine), each command prints one warning
+line naming the loose candidates and the fix, and ``plan`` gives its predicted ratio a ±.
+
 Imports ``actplan.planning`` lazily (numpy and scipy come with it) and the CLI's helpers.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
 import math
 import shlex
+from collections.abc import Iterator
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 
 from actplan._install.plan import format_indices
 from actplan.cli._console import hint, model_options, progress_display, write_output
 from actplan.cli._tables import plan_table, profile_table, sweep_table
 from actplan.devices import resolve_device
+from actplan.progress import ProgressCallback
 from actplan.sizes import DEFAULT_OFFLOAD_MIN_BYTES, mib, parse_bytes
 
 
@@ -37,11 +45,43 @@ def _profile_inputs(args: argparse.Namespace):
     return bundle, device, options
 
 
+class _LooseTimingFilter(logging.Filter):
+    """Drops the profiler's loose-timing warning: the command prints its own line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not getattr(record, "actplan_loose_timing", False)
+
+
+@contextlib.contextmanager
+def _profiling(console: Console, quiet: bool) -> Iterator[ProgressCallback]:
+    """The progress display while profiling, the profiler's logged timing warning held back
+    (``_timing_warning`` prints it once, with the results)."""
+    logger, held_back = logging.getLogger("actplan"), _LooseTimingFilter()
+    logger.addFilter(held_back)
+    try:
+        with progress_display(console, quiet, "profiling") as progress:
+            yield progress
+    finally:
+        logger.removeFilter(held_back)
+
+
+def _timing_warning(console: Console, measured, plan_names: list[str] | None = None, ratio=None) -> None:
+    """When the profile's times are loose: the plan's predicted ratio with its ± (given its
+    candidates per layer) and one warning line; nothing when they settled."""
+    warning = measured.timing_warning()
+    if warning is None:
+        return
+    if plan_names is not None and ratio is not None:
+        spread = measured.ratio_spread(plan_names)
+        console.print(f"predicted step time {ratio:.3f}x ± {spread:.3f} (from loose timing)", soft_wrap=True)
+    console.print(f"[yellow]warning:[/] {escape(warning)}", soft_wrap=True)
+
+
 def profile(args: argparse.Namespace, console: Console) -> int:
     from actplan.planning.cache import get_profile
 
     bundle, device, options = _profile_inputs(args)
-    with progress_display(console, args.quiet, "profiling") as progress:
+    with _profiling(console, args.quiet) as progress:
         measured, cached = get_profile(bundle, args.model, device, **options, progress=progress)
     console.print(profile_table(measured))
     console.print(
@@ -51,6 +91,7 @@ def profile(args: argparse.Namespace, console: Console) -> int:
         f"checkpointing {measured.base_seconds:.3f} s, peak {mib(measured.none_peak_bytes)} MiB "
         f"(full: {mib(measured.full_peak_bytes)} MiB)"
     )
+    _timing_warning(console, measured)
     if args.json:
         write_output(args.json, measured.to_json(), console)
     return 0
@@ -64,7 +105,7 @@ def plan(args: argparse.Namespace, console: Console) -> int:
         return _sweep(args, console)
     parse_budget(args.budget, none_peak_bytes=1.0)  # a malformed budget fails before any work
     bundle, device, options = _profile_inputs(args)
-    with progress_display(console, args.quiet, "profiling") as progress:
+    with _profiling(console, args.quiet) as progress:
         result = plan_under_budget(
             bundle,
             args.model,
@@ -80,11 +121,23 @@ def plan(args: argparse.Namespace, console: Console) -> int:
     for note in result.notes:
         console.print(f"[yellow]note:[/] {note}")
     console.print(plan_table(result))
+    measured = _cached_profile(bundle, args.model, device, options)
+    if measured is not None:
+        names = [layer["candidate"] for layer in sorted(result.layers, key=lambda layer: layer["index"])]
+        _timing_warning(console, measured, names, result.solution["predicted_ratio"])
     _print_plan_outputs(result, args.json, console, model_options(args))
     if result.measured is not None and not result.measured["loss_identical"]:
         console.print("[red]the plan's loss differs from no checkpointing[/]")
         return 1
     return 0
+
+
+def _cached_profile(bundle, spec: str, device, options: dict):
+    """The profile ``plan_under_budget`` just used (it stores every profile in the cache)."""
+    from actplan.planning.cache import cache_key, default_cache_dir, load_cached
+
+    key = cache_key(bundle, spec, device, options["min_bytes"], options["bandwidth"])
+    return load_cached(options["cache_dir"] or default_cache_dir(), key)
 
 
 def profile_options(args: argparse.Namespace) -> str:
@@ -129,11 +182,12 @@ def _sweep(args: argparse.Namespace, console: Console) -> int:
     if args.out or args.no_run:
         raise ValueError("--sweep writes no plan and runs nothing: drop --out and --no-run")
     bundle, device, options = _profile_inputs(args)
-    with progress_display(console, args.quiet, "profiling") as progress:
+    with _profiling(console, args.quiet) as progress:
         measured, _ = get_profile(bundle, args.model, device, **options, progress=progress)
     solutions = pareto_front(measured.problem())
     front = sweep(measured, solutions)
     console.print(sweep_table(measured.model, front, plan_summary))
+    _timing_warning(console, measured)
     if front:
         # A budget a little above the middle point's peak, so that the command plans that point.
         peak = front[len(front) // 2]["predicted_peak_bytes"]

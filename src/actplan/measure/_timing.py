@@ -1,13 +1,16 @@
 """Step timing: ``interleaved_timing`` runs several callables in rotating rounds so drift hits
-them alike, ``TimingStats`` summarises each one's samples and ``ratio`` pairs two by round.
+them alike, ``TimingStats`` summarises each one's samples and ``ratio`` pairs two by round;
+``unstolen``, ``paired_differences`` and ``median_spread`` read samples taken on a busy
+machine (a run far slower than its own median lost its CPU to another job).
 Imports only torch and the standard library.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -146,3 +149,38 @@ def ratio(stats_a: TimingStats, stats_b: TimingStats) -> RatioStats:
     return RatioStats(
         samples=per_round, median=median, q25=q25, q75=q75, spread=_relative_spread(q25, q75, median)
     )
+
+
+# A run slower than this many times its own median did not spend that time on its work: its
+# CPU went to another job (a scheduler time slice, another process's burst).
+STOLEN_FACTOR = 1.5
+
+
+def unstolen(samples: Sequence[float], factor: float = STOLEN_FACTOR) -> list[bool]:
+    """Per sample, whether it is at most ``factor`` times the samples' median (one that is
+    slower lost its CPU to something else; fewer than 3 samples have no such judge)."""
+    if len(samples) < 3:
+        return [True] * len(samples)
+    limit = factor * statistics.median(samples)
+    return [s <= limit for s in samples]
+
+
+def paired_differences(
+    own: Sequence[float], reference: Sequence[float], factor: float = STOLEN_FACTOR
+) -> list[float]:
+    """Round by round, ``own - reference``, leaving out the rounds where either run was
+    stolen (``unstolen``); every round when fewer than 3 would remain."""
+    if len(own) != len(reference):
+        raise ValueError(f"cannot pair {len(own)} samples with {len(reference)}; time them together")
+    steady = zip(own, reference, unstolen(own, factor), unstolen(reference, factor), strict=True)
+    kept = [a - b for a, b, ok_a, ok_b in steady if ok_a and ok_b]
+    return kept if len(kept) >= 3 else [a - b for a, b in zip(own, reference, strict=True)]
+
+
+def median_spread(values: Sequence[float]) -> float:
+    """The interquartile range over the square root of the count: how loose a median of
+    ``values`` is (about its standard error); infinite with fewer than 2 values."""
+    if len(values) < 2:
+        return math.inf
+    quartiles = statistics.quantiles(values, n=4, method="inclusive")
+    return (quartiles[2] - quartiles[0]) / math.sqrt(len(values))

@@ -1,6 +1,7 @@
 """One layer run alone: its inputs captured from a real forward (``capture_layer_inputs``),
 then, per candidate, metered and timed in isolation (``IsolatedLayer``) until the timing
-settles (``SETTLED_SHARE``), or, with a ``RooflineClock``, clocked once: on a named
+settles (``SETTLED_SHARE``) or its rounds run out (``rounds_cap``: then it is reported
+loose, with its spread), or, with a ``RooflineClock``, clocked once: on a named
 accelerator's estimate (fake tensors have no time of their own).
 
 Private to the profiler. Imports torch, ``apply`` and the install helpers, the
@@ -13,7 +14,6 @@ import contextlib
 import functools
 import hashlib
 import json
-import math
 import statistics
 import time
 from collections.abc import Iterable, Mapping
@@ -28,7 +28,8 @@ from actplan._storage import owned_storages, storage_key
 from actplan.config import RecomputeConfig
 from actplan.markers import routing_markers
 from actplan.measure import MemoryMeter, RooflineClock, copy_module, interleaved_timing
-from actplan.planning._records import CandidateProfile
+from actplan.measure._timing import median_spread, paired_differences, unstolen
+from actplan.planning._records import SETTLED_SHARE, CandidateProfile
 
 
 def _type_key(module: nn.Module, args: tuple, kwargs: dict) -> str:
@@ -283,29 +284,43 @@ class IsolatedLayer:
 
     def measure_time(self, candidates: list[CandidateProfile], repeats: int) -> None:
         """Each candidate's ``extra_seconds`` over ``none`` (which must be among them): the
-        median of per-round differences. At least 3 rounds (fewer if ``repeats`` says so),
-        more, up to ``repeats``, while some difference is still unsettled (``_settled``)."""
+        median of per-round differences, rounds where either run lost its CPU left out
+        (``paired_differences``), with its ``extra_seconds_spread`` and whether it settled.
+        Every candidate: at least 3 rounds (fewer if ``repeats`` says so), more, up to
+        ``repeats``, while some difference is still loose (``_settled``); then ``none`` and
+        the candidates still loose only, up to ``rounds_cap(repeats)`` rounds in all."""
         layers = {c.name: self._warm(c) for c in candidates}
         if self.clock is not None:
             self._clock_time(candidates, layers)
             return
+        runs = {name: (lambda layer=layer: self.step(layer)) for name, layer in layers.items()}
         timings = interleaved_timing(
-            {name: (lambda layer=layer: self.step(layer)) for name, layer in layers.items()},
+            runs,
             repeats=min(3, repeats),
             max_repeats=repeats,
             warmup=0,  # each layer has run its warm-up step in `_warm`
             settled=_settled,
         )
-        reference = timings["none"]
+        reference = list(timings["none"].samples)
+        pairs = {name: (list(t.samples), list(reference)) for name, t in timings.items() if name != "none"}
+        _until_settled(runs, reference, pairs, rounds_cap(repeats))
+        limit = SETTLED_SHARE * steady_median(reference)
         for c in candidates:
-            own = timings[c.name]
-            c.layer_seconds = own.median
-            paired = sorted(a - b for a, b in zip(own.samples, reference.samples, strict=True))
+            if c.name == "none":
+                c.layer_seconds = steady_median(reference)
+                c.extra_seconds, c.extra_seconds_spread, c.timing_settled = 0.0, 0.0, True
+                continue
+            own, ref = pairs[c.name]
+            c.layer_seconds = steady_median(own)
+            paired = paired_differences(own, ref)
             # More recompute is never cheaper: a negative difference is timer noise.
-            c.extra_seconds = max(paired[len(paired) // 2], 0.0) if c.name != "none" else 0.0
+            c.extra_seconds = max(statistics.median(paired), 0.0)
+            c.extra_seconds_spread = median_spread(paired)
+            c.timing_settled = c.extra_seconds_spread <= limit
 
     def _clock_time(self, candidates: list[CandidateProfile], layers: dict[str, nn.Module]) -> None:
-        """Each candidate's step on the clock: its estimate, and its difference to ``none``'s."""
+        """Each candidate's step on the clock: its estimate, and its difference to ``none``'s
+        (exact: no spread, settled)."""
         clock = self.clock
         for c in candidates:
             clock.reset()
@@ -317,28 +332,64 @@ class IsolatedLayer:
             c.extra_seconds = max(c.layer_seconds - reference, 0.0) if c.name != "none" else 0.0
 
 
-# Timing stops once every candidate's difference to `none` is known to this share of
+# Timing stops once every candidate's difference to `none` is known to `SETTLED_SHARE` of
 # `none`'s own time (the paired differences' interquartile range over the square root of
-# the rounds).
-SETTLED_SHARE = 0.05
+# the rounds, `median_spread`). Past `repeats` rounds, only `none` and the loose candidates
+# go on, up to this many times `repeats` rounds in all; a difference still looser than
+# that is reported as not settled.
+ROUNDS_PER_REPEAT = 3
 
 
-def _spread(values: list[float]) -> float:
-    """The interquartile range over the square root of the count: how loose a median is."""
-    quartiles = statistics.quantiles(values, n=4, method="inclusive")
-    return (quartiles[2] - quartiles[0]) / math.sqrt(len(values))
+def rounds_cap(repeats: int) -> int:
+    """The most timed rounds a measurement runs while it has not settled."""
+    return ROUNDS_PER_REPEAT * max(repeats, 1)
+
+
+def steady_median(samples: list[float]) -> float:
+    """The median of the samples whose CPU was not stolen (``unstolen``)."""
+    return statistics.median(s for s, ok in zip(samples, unstolen(samples), strict=True) if ok)
 
 
 def tight(samples: list[float]) -> bool:
-    return _spread(samples) <= SETTLED_SHARE * statistics.median(samples)
+    """The median of ``samples``, stolen runs left out, is known to ``SETTLED_SHARE`` of itself."""
+    steady = [s for s, ok in zip(samples, unstolen(samples), strict=True) if ok]
+    return median_spread(steady) <= SETTLED_SHARE * statistics.median(steady)
+
+
+def _until_settled(
+    runs: Mapping[str, Any],
+    reference: list[float],
+    pairs: dict[str, tuple[list[float], list[float]]],
+    cap: int,
+) -> None:
+    """Rounds of ``none`` and the candidates still loose, until none is or ``cap`` rounds are
+    done in all: each round's time of a candidate appended to its ``pairs`` entry (its own
+    times, ``none``'s of the same rounds), ``none``'s to ``reference``. A settled candidate
+    costs no more rounds."""
+    for round_index in range(len(reference), cap):
+        limit = SETTLED_SHARE * steady_median(reference)
+        loose = [
+            name for name, (own, ref) in pairs.items() if median_spread(paired_differences(own, ref)) > limit
+        ]
+        if not loose:
+            return
+        names = ["none", *loose]
+        shift = round_index % len(names)
+        one = interleaved_timing(
+            {name: runs[name] for name in names[shift:] + names[:shift]}, repeats=1, warmup=0
+        )
+        reference.append(one["none"].samples[0])
+        for name in loose:
+            pairs[name][0].append(one[name].samples[0])
+            pairs[name][1].append(reference[-1])
 
 
 def _settled(samples: Mapping[str, list[float]]) -> bool:
     """Every candidate's paired difference to ``none`` is tight against ``none``'s time."""
     reference = samples["none"]
-    limit = SETTLED_SHARE * statistics.median(reference)
+    limit = SETTLED_SHARE * steady_median(reference)
     return all(
-        _spread([a - b for a, b in zip(own, reference, strict=True)]) <= limit
+        median_spread(paired_differences(own, reference)) <= limit
         for name, own in samples.items()
         if name != "none"
     )

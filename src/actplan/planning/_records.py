@@ -15,7 +15,11 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-PROFILE_FORMAT = 5  # 3: chain by unit forward time; 4: boundary grads; 5: per-layer extras
+PROFILE_FORMAT = 6  # 3: chain by unit forward time; 4: boundary grads; 5: per-layer extras;
+# 6: stolen rounds left out of the timing, each time with its spread
+# A time has settled once its spread (interquartile range over the square root of the rounds)
+# is at most this share of the time it is measured against (a layer's `none`, the step).
+SETTLED_SHARE = 0.05
 
 
 @dataclass(frozen=True)
@@ -145,6 +149,11 @@ class CandidateProfile:
     layer_seconds: float = 0.0
     extra_seconds: float = 0.0
     offloaded_bytes: int = 0
+    # How loose ``extra_seconds`` is (its paired differences' interquartile range over the
+    # square root of the rounds, seconds), and whether that came under the settled share of
+    # ``none``'s time. An estimate's (and an older profile's) are 0 and True.
+    extra_seconds_spread: float = 0.0
+    timing_settled: bool = True
 
     @property
     def key(self) -> tuple[str, tuple[str, ...], bool]:
@@ -199,6 +208,12 @@ class ModelProfile:
     seconds_spent: float = 0.0
     # The accelerator whose roofline clock gave every time (estimates), or None: timed here.
     roofline_gpu: str | None = None
+    # Whether every time settled (each candidate's and ``base_seconds``); the largest spread
+    # of a candidate's extra time as a share of its layer type's ``none`` time; the spread
+    # of ``base_seconds`` (seconds). An older profile's: settled, no spread.
+    timing_settled: bool = True
+    timing_spread: float = 0.0
+    base_seconds_spread: float = 0.0
 
     def type_of(self, index: int) -> LayerTypeProfile:
         key = self.layer_type_of[index]
@@ -227,6 +242,52 @@ class ModelProfile:
             head_transient_bytes=self.head_transient_bytes,
             prefetch_layers=self.prefetch_layers,
         )
+
+    def loose_timings(self) -> list[tuple[str, str, float]]:
+        """Every candidate whose time did not settle, loosest first: its layer type's class,
+        its name and its spread as a share of that type's ``none`` time. An offloaded variant
+        shares its candidate's timing and is not listed again."""
+        loose = []
+        for layer_type in self.layer_types:
+            none = layer_type.candidate("none").layer_seconds
+            for c in layer_type.candidates:
+                if not c.timing_settled and not c.offload:
+                    share = c.extra_seconds_spread / none if none > 0 else math.inf
+                    loose.append((layer_type.class_name, c.name, share))
+        return sorted(loose, key=lambda item: -item[2])
+
+    def timing_warning(self, shown: int = 3) -> str | None:
+        """One line when the times are loose: which candidates, by how much, and the fix;
+        ``None`` when every time settled."""
+        if self.timing_settled:
+            return None
+        loose = self.loose_timings()
+        several = len({class_name for class_name, _, _ in loose}) > 1
+        parts = [
+            f"{name}{f' ({class_name})' if several else ''} ±{share:.0%}"
+            for class_name, name, share in loose[:shown]
+        ]
+        what = [f"{', '.join(parts)} of the layer's time"] if parts else []
+        if len(loose) > shown:
+            what[0] += f" (and {len(loose) - shown} more candidates)"
+        if self.base_seconds_spread > SETTLED_SHARE * self.base_seconds:
+            what.append(f"the step without checkpointing ±{self.base_seconds_spread / self.base_seconds:.0%}")
+        return (
+            f"timing did not settle: {'; '.join(what)}. The machine was busy: rerun when it is idle, "
+            "or raise --repeats"
+        )
+
+    def ratio_spread(self, names: Sequence[str]) -> float:
+        """How loose the predicted step-time ratio of a plan is: per layer (forward order) its
+        candidate's name. Layers of one type share one measurement, so spreads add up."""
+        extra = spread = 0.0
+        for index, name in enumerate(names):
+            candidate = self.type_of(index).candidate(name)
+            extra += candidate.extra_seconds
+            spread += candidate.extra_seconds_spread
+        if self.base_seconds <= 0:
+            return 0.0
+        return spread / self.base_seconds + extra * self.base_seconds_spread / self.base_seconds**2
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2) + "\n"

@@ -18,7 +18,11 @@ checkpointed candidate, the same with its input and kept units offloaded. The ch
 units by the time each saves when kept alone (timed once, with the presets) over the bytes
 the set it would make retains (a forward-only measurement per set tried), so each set is
 timed only if it joins the chain. Timing is adaptive: at least 3 interleaved rounds, more
-(up to ``repeats``) while a difference is still loose (``SETTLED_SHARE``). The fixed costs
+(up to ``repeats``) while a difference is still loose (``SETTLED_SHARE``), then rounds of
+``none`` and the loose candidates only, up to 3 x ``repeats`` in all; rounds where a run
+lost its CPU to another job (1.5x its median) are left out. What did not settle is reported
+(``timing_settled``, each candidate's ``extra_seconds_spread``) and logged as a warning on
+the ``actplan`` logger (``ModelProfile.timing_warning``). The fixed costs
 (parameters, gradients, AdamW state, activations outside the layers) and the step time
 without checkpointing come from whole-model steps. Results are JSON, cached by a key of
 model, shapes, dtype, device, torch version, offload threshold and any forced bandwidth
@@ -44,12 +48,13 @@ from torch.utils._pytree import tree_leaves
 
 from actplan._install.apply import apply, find_layers
 from actplan.measure import MemoryMeter, RooflineClock, copy_module, interleaved_timing
+from actplan.measure._timing import median_spread, unstolen
 from actplan.models import ModelBundle, loss_of, train_step
 from actplan.planning._candidates import layer_type_steps, profile_layer_type
-from actplan.planning._isolated import capture_layer_inputs, tight
-from actplan.planning._records import LayerTypeProfile, ModelProfile
+from actplan.planning._isolated import capture_layer_inputs, rounds_cap, steady_median, tight
+from actplan.planning._records import SETTLED_SHARE, CandidateProfile, LayerTypeProfile, ModelProfile
 from actplan.planning.cache import cache_key
-from actplan.progress import ProgressCallback, ProgressTracker
+from actplan.progress import LOGGER, ProgressCallback, ProgressTracker
 from actplan.sizes import DEFAULT_OFFLOAD_MIN_BYTES
 
 __all__ = ["ModelProfile", "copy_bandwidth", "profile_model"]
@@ -170,6 +175,7 @@ class _WholeModel:
 
     runs: dict[str, _PresetRun]
     base_seconds: float
+    base_seconds_spread: float = 0.0  # its median's spread (0: an estimate)
 
     def __getitem__(self, preset: str) -> _PresetRun:
         return self.runs[preset]
@@ -205,12 +211,14 @@ def _whole_model(
     timing = interleaved_timing(
         {"none": lambda: train_step(none.model, batch, none.optimizer, seed=0)},
         repeats=min(3, repeats),
-        max_repeats=repeats,
+        max_repeats=rounds_cap(repeats),
         warmup=0,
         settled=lambda samples: tight(samples["none"]),
     )
     say("model timing")
-    return _WholeModel(runs, timing["none"].median)
+    samples = timing["none"].samples
+    steady = [s for s, ok in zip(samples, unstolen(samples), strict=True) if ok]
+    return _WholeModel(runs, steady_median(samples), median_spread(steady) if len(steady) > 1 else 0.0)
 
 
 def _layer_types(
@@ -248,10 +256,40 @@ def _layer_types(
             continue
         types[type_key] = LayerTypeProfile(type_key, type(layer).__name__, [index], [])
         say = functools.partial(_say_for, tracker.step, type(layer).__name__)
-        types[type_key].candidates = profile_layer_type(
-            layer, args, kwargs, min_bytes, repeats, bw, overlap, say, clock
+        types[type_key].candidates = _with_shared_timing(
+            profile_layer_type(layer, args, kwargs, min_bytes, repeats, bw, overlap, say, clock)
         )
     return [key for key, _, _ in captured], types, bw, overlap
+
+
+def _with_shared_timing(candidates: list[CandidateProfile]) -> list[CandidateProfile]:
+    """An offloaded variant's time is its candidate's plus a copy charge: it takes on the
+    candidate's spread and settledness too."""
+    timed = {c.key[:2]: c for c in candidates if not c.offload}
+    for c in candidates:
+        if c.offload and c.key[:2] in timed:
+            c.extra_seconds_spread = timed[c.key[:2]].extra_seconds_spread
+            c.timing_settled = timed[c.key[:2]].timing_settled
+    return candidates
+
+
+def _timing_summary(profile: ModelProfile) -> None:
+    """The profile's ``timing_settled`` and ``timing_spread`` from its candidates' and base
+    time's; a warning on the ``actplan`` logger when some time did not settle."""
+    shares = [0.0]
+    for layer_type in profile.layer_types:
+        none = layer_type.candidate("none").layer_seconds
+        for c in layer_type.candidates:
+            if c.extra_seconds_spread:
+                shares.append(c.extra_seconds_spread / none if none > 0 else float("inf"))
+    profile.timing_spread = max(shares)
+    base_settled = profile.base_seconds_spread <= SETTLED_SHARE * profile.base_seconds
+    profile.timing_settled = base_settled and all(
+        c.timing_settled for t in profile.layer_types for c in t.candidates
+    )
+    warning = profile.timing_warning()
+    if warning is not None:
+        LOGGER.warning("%s: %s", profile.model, warning, extra={"actplan_loose_timing": True})
 
 
 def _calibrate(profile: ModelProfile, whole: _WholeModel) -> None:
@@ -349,6 +387,7 @@ def profile_model(
         optimizer_step_bytes=none.step_report.peak_live_bytes,
         nonlayer_activation_bytes=0,
         base_seconds=whole.base_seconds,
+        base_seconds_spread=whole.base_seconds_spread,
         none_peak_bytes=max(none.report.peak_bytes, none.step_report.peak_bytes),
         full_peak_bytes=max(full.report.peak_bytes, full.step_report.peak_bytes),
         bandwidth_bytes_per_s=bw,
@@ -359,5 +398,6 @@ def profile_model(
         roofline_gpu=gpu_name,
     )
     _calibrate(profile, whole)
+    _timing_summary(profile)
     profile.seconds_spent = time.perf_counter() - started
     return profile

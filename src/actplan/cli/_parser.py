@@ -134,7 +134,7 @@ def _add_estimate(sub) -> None:
         "--plan",
         action="store_true",
         help="also profile and plan on fake tensors: the plan for --budget, or plans at three "
-        "budgets across the feasible range",
+        "budgets across the feasible range (up to the --gpu's memory)",
     )
     parser.add_argument("--out", metavar="PATH", help="write the plan for --budget (implies --plan)")
     parser.add_argument("--json", metavar="PATH", help="write the estimate as JSON")

@@ -34,6 +34,7 @@ class Accelerator:
     hbm_bytes_per_s: float
     host_link_bytes_per_s: float  # one direction, host <-> device
     source: str
+    memory_bytes: float = 80e9  # HBM capacity, the datasheet's GB (10^9 bytes)
 
 
 ACCELERATORS: dict[str, Accelerator] = {
@@ -42,27 +43,32 @@ ACCELERATORS: dict[str, Accelerator] = {
         Accelerator(
             "a100", 312e12, 19.5e12, 2.039e12, 32e9,
             "NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB): BF16 312 TFLOPS dense, FP32 19.5 "
-            "TFLOPS, HBM2e 2,039 GB/s; PCIe Gen4 x16 32 GB/s per direction",
+            "TFLOPS, HBM2e 2,039 GB/s; PCIe Gen4 x16 32 GB/s per direction; 80 GB HBM2e",
+            memory_bytes=80e9,
         ),
         Accelerator(
             "h100", 989.4e12, 66.9e12, 3.35e12, 64e9,
             "NVIDIA H100 Tensor Core GPU datasheet (SXM5): BF16 1,979 TFLOPS with sparsity (989 "
-            "dense), FP32 67 TFLOPS, HBM3 3.35 TB/s; PCIe Gen5 x16 64 GB/s per direction",
+            "dense), FP32 67 TFLOPS, HBM3 3.35 TB/s; PCIe Gen5 x16 64 GB/s per direction; 80 GB HBM3",
+            memory_bytes=80e9,
         ),
         Accelerator(
             "h200", 989.4e12, 66.9e12, 4.8e12, 64e9,
             "NVIDIA H200 Tensor Core GPU datasheet (SXM): BF16 1,979 TFLOPS with sparsity (989 "
-            "dense), FP32 67 TFLOPS, HBM3e 4.8 TB/s; PCIe Gen5 x16 64 GB/s per direction",
+            "dense), FP32 67 TFLOPS, HBM3e 4.8 TB/s; PCIe Gen5 x16 64 GB/s per direction; 141 GB HBM3e",
+            memory_bytes=141e9,
         ),
         Accelerator(
             "b200", 2.25e15, 80e12, 8e12, 64e9,
             "NVIDIA HGX B200 datasheet (per GPU): FP16/BF16 4.5 PFLOPS with sparsity (2.25 dense), "
-            "FP32 80 TFLOPS, HBM3e 8 TB/s; PCIe Gen5 x16 64 GB/s per direction",
+            "FP32 80 TFLOPS, HBM3e 8 TB/s; PCIe Gen5 x16 64 GB/s per direction; 180 GB HBM3e",
+            memory_bytes=180e9,
         ),
         Accelerator(
             "mi300x", 1307.4e12, 163.4e12, 5.3e12, 64e9,
             "AMD Instinct MI300X datasheet: BF16 1,307.4 TFLOPS dense, FP32 163.4 TFLOPS, HBM3 "
-            "5.3 TB/s; PCIe Gen5 x16 64 GB/s per direction",
+            "5.3 TB/s; PCIe Gen5 x16 64 GB/s per direction; 192 GB HBM3",
+            memory_bytes=192e9,
         ),
     )
 }  # fmt: skip

@@ -267,7 +267,8 @@ def _plans(
     say: Callable[[str], None],
 ) -> list[tuple[int, RecomputeConfig, float, float]]:
     """Profile and plan on fake tensors with the roofline clock; per budget (``None``: three
-    spread over the feasible range), the plan, its predicted peak and its predicted ratio."""
+    spread over the feasible range up to the accelerator's memory), the plan, its predicted
+    peak and its predicted ratio."""
     # Profiled on a shallow stack (the dense prefix and a few alike layers), then deepened: its
     # whole-model steps are what a profile spends most on. The plans' own steps check it.
     shallow = replace(shape, layers=min(shape.layers, (shape.first_k_dense or 0) + _PROFILE_DEPTH))
@@ -290,8 +291,12 @@ def _plans(
         optimizer_step_bytes=0.0,
     )
     if budgets is None:
+        # Three budgets across the feasible range, as far as the accelerator's memory reaches
+        # (the whole range when nothing fits it).
         low, _ = minimum_peak(problem)
         high = none_peak(problem) or low
+        if low < accelerator(gpu).memory_bytes:
+            high = min(high, accelerator(gpu).memory_bytes)
         budgets = [int(low + (high - low) * share) for share in (0.25, 0.5, 0.75)]
     plans = []
     for budget in budgets:

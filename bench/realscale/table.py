@@ -63,8 +63,8 @@ def render(results: dict[str, dict]) -> str:
         "(roofline clock), estimated on fake tensors by `python -m bench.realscale.table`. "
         "Peaks are per GPU: measured activations and transients plus the stated static formula "
         "(16 bytes per parameter over the FSDP ranks, two gathered units). Times are estimates. "
-        "Plans are the planner's at three budgets across the feasible range, up to the H100's "
-        "80 GB where the range reaches it; 'planner' is its "
+        "Plans are the planner's at three budgets across the feasible range, up to 95% of the "
+        "H100's 80 GB where the range reaches it; 'planner' is its "
         "prediction, the row the plan's own fake step.",
         "",
     ]

@@ -291,13 +291,15 @@ def _plans(
         optimizer_step_bytes=0.0,
     )
     if budgets is None:
-        # Three budgets across the feasible range, as far as the accelerator's memory reaches
-        # (the whole range when nothing fits it).
+        # Three budgets across the feasible range; where the accelerator's memory (less 5% for
+        # the CUDA context and fragmentation) cuts it short, up to that memory, the last at it.
         low, _ = minimum_peak(problem)
         high = none_peak(problem) or low
-        if low < accelerator(gpu).memory_bytes:
-            high = min(high, accelerator(gpu).memory_bytes)
-        budgets = [int(low + (high - low) * share) for share in (0.25, 0.5, 0.75)]
+        usable = 0.95 * accelerator(gpu).memory_bytes
+        shares = (0.25, 0.5, 0.75)
+        if low < usable < high:
+            high, shares = usable, (1 / 3, 2 / 3, 1.0)
+        budgets = [int(low + (high - low) * share) for share in shares]
     plans = []
     for budget in budgets:
         try:

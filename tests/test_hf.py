@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import copy
-import re
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +15,7 @@ from actplan.integrations import hf
 from actplan.measure import MemoryMeter, OpCounter, capture_step, compare_steps
 from actplan.models import hf as hf_models
 from actplan.units import MarkerInterval
+from doc_blocks import DOCS, block_with
 
 transformers = pytest.importorskip("transformers")
 
@@ -509,12 +508,11 @@ def test_bench_runs_the_reference_llama():
     assert rows["full"].activation_bytes < rows["none"].activation_bytes
 
 
-HF_DOC = Path(__file__).resolve().parents[1] / "docs" / "huggingface.md"
+HF_DOC = DOCS / "huggingface.md"
 
 
 def _doc_block(needle: str) -> str:
-    (block,) = [b for b in re.findall(r"```python\n(.*?)```", HF_DOC.read_text(), flags=re.S) if needle in b]
-    return block
+    return block_with(HF_DOC, needle)
 
 
 @pytest.mark.slow

@@ -5,8 +5,6 @@ they should; the Trainer + LoRA example in docs/huggingface.md runs."""
 from __future__ import annotations
 
 import copy
-import re
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +14,7 @@ from actplan.config import PRESETS, preset_kept_units
 from actplan.integrations import hf
 from actplan.measure import MemoryMeter, capture_step, compare_steps
 from actplan.models import hf as hf_models
+from doc_blocks import DOCS, block_with
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -134,12 +133,11 @@ def test_a_plan_applied_before_wrapping_is_exact_too(lora):
 # ---------------------------------------------------------------------------------------------
 # The Trainer + LoRA example in docs/huggingface.md
 
-HF_DOC = Path(__file__).resolve().parents[1] / "docs" / "huggingface.md"
+HF_DOC = DOCS / "huggingface.md"
 
 
 def _doc_block(needle: str) -> str:
-    (block,) = [b for b in re.findall(r"```python\n(.*?)```", HF_DOC.read_text(), flags=re.S) if needle in b]
-    return block
+    return block_with(HF_DOC, needle)
 
 
 @pytest.mark.slow

@@ -189,12 +189,14 @@ def _sweep(args: argparse.Namespace, console: Console) -> int:
     console.print(sweep_table(measured.model, front, plan_summary))
     _timing_warning(console, measured)
     if front:
-        # A budget a little above the middle point's peak, so that the command plans that point.
+        # A budget a little above the middle point's peak, so that the command plans that point;
+        # in tenths of a MB (10^6 bytes), which are whole bytes as --budget requires (tenths of
+        # a MiB are not).
         peak = front[len(front) // 2]["predicted_peak_bytes"]
         console.print("pick a peak and give it as --budget to write and check that plan; the middle one:")
         hint(
             console,
-            f"actplan plan {profile_options(args)} --budget {math.ceil(peak / 2**20 * 10) / 10:.1f}MiB",
+            f"actplan plan {profile_options(args)} --budget {math.ceil(peak / 1e5) / 10:.1f}MB",
         )
     if args.plot:
         write_pareto_plot(

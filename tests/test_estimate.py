@@ -410,3 +410,13 @@ def test_a_shallow_profile_deepened_predicts_what_the_deep_profile_predicts(shap
         ]
         assert b.peak(choices) == pytest.approx(a.peak(choices), rel=1e-6), pick
         assert b.seconds(choices) == pytest.approx(a.seconds(choices), rel=1e-6), pick
+
+
+def test_a_budget_no_plan_reaches_states_the_feasible_range(tmp_path, capsys):
+    args = ["estimate", "--model", "dense", "--layers", "2", "--hidden", "64", "--heads", "4", "--quiet"]
+    args += ["--kv-heads", "2", "--ffn", "128", "--vocab", "128", "--seq", "32", "--batch", "2"]
+    plan = tmp_path / "plan.yaml"
+    assert main([*args, "--presets", "none", "--budget", "2MiB", "--out", str(plan)]) == 1
+    printed = " ".join(capsys.readouterr().out.split())
+    assert "no plan: no plan fits a budget of 2.000 MiB: predicted peaks range from" in printed
+    assert "no plan written" in printed and not plan.exists()

@@ -266,6 +266,7 @@ def _plans(
     budgets: Sequence[int] | None,
     base_seconds: float,
     say: Callable[[str], None],
+    refused: list[str],
 ) -> list[tuple[int, RecomputeConfig, float, float]]:
     """Profile and plan on fake tensors with the roofline clock; per budget (``None``: three
     spread over the feasible range up to the accelerator's memory), the plan, its predicted
@@ -306,7 +307,7 @@ def _plans(
         try:
             solution = solve(problem, budget)
         except BudgetError as err:
-            say(f"no plan for {human_bytes(budget)}: {err}")
+            refused.append(str(err))  # the feasible range, said in the notes
             continue
         config = config_for(profile, solution.choices)
         plans.append(
@@ -355,13 +356,14 @@ def estimate(
     dense_params = sizes.parameters - sizes.expert_parameters
     static = 16 * dense_params // fsdp + 16 * sizes.expert_parameters * ep // fsdp
     gathered = 2 * sizes.largest_unit * DTYPES[shape.dtype].itemsize
+    refused: list[str] = []
     if plans:
         budgets = None if budget_bytes is None else [budget_bytes]
         none_row = next((r for r in rows if r.preset == "none"), None)
         if none_row is None:
             none_row, _ = stack_step(rank_shape, "none", accel.name)
         for budget, config, predicted_peak, predicted_ratio in _plans(
-            rank_shape, accel.name, static + gathered, budgets, none_row.seconds, say
+            rank_shape, accel.name, static + gathered, budgets, none_row.seconds, say, refused
         ):
             say(f"stepping the plan for {human_bytes(budget)} on fake tensors")
             row, _ = preset_step(rank_shape, config, accel.name)
@@ -378,6 +380,7 @@ def estimate(
         limit = row.budget_bytes if row.budget_bytes is not None else budget_bytes
         row.fits = None if limit is None else row.peak_bytes <= limit
     notes = [
+        *(f"no plan: {reason}" for reason in refused),
         f"times are estimates from a roofline clock for {accel.name} (vendor peaks, no kernel "
         "efficiency, no communication); memory is measured on fake tensors",
         "static memory is a formula: 16 bytes per parameter (fp32 parameter, gradient, AdamW "

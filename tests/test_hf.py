@@ -15,7 +15,7 @@ from actplan.integrations import hf
 from actplan.measure import MemoryMeter, OpCounter, capture_step, compare_steps
 from actplan.models import hf as hf_models
 from actplan.units import MarkerInterval
-from doc_blocks import DOCS, block_with
+from doc_blocks import DOCS, block_with, run_trainer_example
 
 transformers = pytest.importorskip("transformers")
 
@@ -519,17 +519,8 @@ def _doc_block(needle: str) -> str:
 def test_the_trainer_example_runs_and_matches_training_without_the_plan(tmp_path, monkeypatch):
     pytest.importorskip("accelerate")
     monkeypatch.chdir(tmp_path)
-    example = _doc_block("transformers.Qwen2MoeConfig(")
-    apply_line = 'plan = actplan.apply(model, "matmuls")\nprint(plan.summary())\n'
-    assert apply_line in example
-    weights = []
-    for code in (example, example.replace(apply_line, "")):
-        namespace: dict = {}
-        exec(compile(code, str(HF_DOC), "exec"), namespace)
-        assert namespace["trainer"].state.global_step == 2
-        if "plan" in namespace:  # the example as written: both layers were checkpointed
-            assert len(namespace["plan"].checkpointed) == 2
-        weights.append({k: v.clone() for k, v in namespace["model"].state_dict().items()})
+    runs = run_trainer_example(HF_DOC, "transformers.Qwen2MoeConfig(")
+    weights = [{k: v.clone() for k, v in run["model"].state_dict().items()} for run in runs]
     with_plan, without = weights
     assert with_plan.keys() == without.keys()
     changed = [k for k in without if not torch.equal(with_plan[k], without[k])]

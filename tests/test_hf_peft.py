@@ -14,7 +14,7 @@ from actplan.config import PRESETS, preset_kept_units
 from actplan.integrations import hf
 from actplan.measure import MemoryMeter, capture_step, compare_steps
 from actplan.models import hf as hf_models
-from doc_blocks import DOCS, block_with
+from doc_blocks import DOCS, run_trainer_example
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -133,29 +133,14 @@ def test_a_plan_applied_before_wrapping_is_exact_too(lora):
 # ---------------------------------------------------------------------------------------------
 # The Trainer + LoRA example in docs/huggingface.md
 
-HF_DOC = DOCS / "huggingface.md"
-
-
-def _doc_block(needle: str) -> str:
-    return block_with(HF_DOC, needle)
-
-
 @pytest.mark.slow
 def test_the_trainer_lora_example_runs_and_matches_training_without_the_plan(tmp_path, monkeypatch):
     pytest.importorskip("accelerate")
     monkeypatch.chdir(tmp_path)
-    example = _doc_block("peft.get_peft_model(")
-    apply_line = 'plan = actplan.apply(model, "matmuls")\nprint(plan.summary())\n'
-    assert apply_line in example
-    weights = []
-    for code in (example, example.replace(apply_line, "")):
-        namespace: dict = {}
-        exec(compile(code, str(HF_DOC), "exec"), namespace)
-        assert namespace["trainer"].state.global_step == 2
-        if "plan" in namespace:  # the example as written: both layers were checkpointed
-            assert len(namespace["plan"].checkpointed) == 2
-        model = namespace["model"]
-        weights.append({k: p.detach().clone() for k, p in model.named_parameters() if p.requires_grad})
+    runs = run_trainer_example(DOCS / "huggingface.md", "peft.get_peft_model(")
+    weights = [
+        {k: p.detach().clone() for k, p in run["model"].named_parameters() if p.requires_grad} for run in runs
+    ]
     with_plan, without = weights
     assert with_plan.keys() == without.keys() and with_plan
     changed = [k for k in without if not torch.equal(with_plan[k], without[k])]

@@ -15,8 +15,7 @@ from torch import nn
 from actplan._engine.offload import quiet_empty_offload
 from actplan._install.apply import interval_map_of
 from actplan.config import PRESETS, preset_kept_units
-from actplan.markers import routing_markers
-from actplan.measure import OpCounter, RooflineClock, is_fake
+from actplan.measure import RooflineClock, is_fake
 from actplan.planning._isolated import IsolatedLayer
 from actplan.planning._records import CandidateProfile
 
@@ -68,24 +67,8 @@ def _units_that_run(isolated: IsolatedLayer, layer: nn.Module, declared: list[st
     """The declared units whose marker intervals run at least one op in the plain layer's
     forward. A unit that runs none (a shared expert a model of this shape does not have)
     saves nothing when kept, and the engine warns about keeping it, so no candidate keeps it."""
-    spans = {unit.value: list(intervals) for unit, intervals in interval_map_of(layer).items()}
-    counter = OpCounter()
-    open_at: dict[tuple[str, str], int] = {}
-    ran = dict.fromkeys(declared, 0)
-
-    def sink(marker: str) -> None:
-        now = sum(counter.counts.values())
-        for unit, intervals in spans.items():
-            for span in intervals:
-                if span.end == marker and (unit, span.start) in open_at:
-                    ran[unit] += now - open_at.pop((unit, span.start))
-                if span.start == marker:
-                    open_at[(unit, marker)] = now
-
-    layer_none = isolated.prepared(CandidateProfile("none", "none", [], offload=False))
-    with routing_markers(sink), counter:
-        isolated.step(layer_none, backward=False)
-    return [unit for unit in declared if ran.get(unit, 0) > 0]
+    ran = isolated.unit_ops(interval_map_of(layer), declared)
+    return [unit for unit in declared if ran[unit] > 0]
 
 
 def _presets(found: _Candidates, declared: list[str]) -> CandidateProfile:

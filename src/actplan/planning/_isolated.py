@@ -16,7 +16,7 @@ import hashlib
 import json
 import statistics
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -27,7 +27,7 @@ from actplan._install.apply import apply, find_layers, offload_engine
 from actplan._storage import owned_storages, storage_key
 from actplan.config import RecomputeConfig
 from actplan.markers import routing_markers
-from actplan.measure import MemoryMeter, RooflineClock, copy_module, interleaved_timing
+from actplan.measure import MemoryMeter, OpCounter, RooflineClock, copy_module, interleaved_timing
 from actplan.measure._timing import median_spread, paired_differences, unstolen
 from actplan.planning._records import SETTLED_SHARE, CandidateProfile
 
@@ -243,9 +243,16 @@ class IsolatedLayer:
             figures = self.step(layer, meter, backward=False)
         candidate.retained_bytes = max(figures["retained"], 0)
 
-    def unit_seconds(self, intervals: Mapping[Any, tuple[Any, ...]], units: list[str]) -> dict[str, float]:
-        """Per unit, the forward time of its marker intervals in the plain layer (median of 3
-        forwards after the warm-up): what the replay no longer reruns when it is kept."""
+    def interval_totals(
+        self,
+        intervals: Mapping[Any, tuple[Any, ...]],
+        units: list[str],
+        now: Callable[[], float],
+        context: Any = None,
+    ) -> dict[str, float]:
+        """Per unit, how far ``now()`` advances inside its marker intervals over one forward of
+        the plain layer (after its warm-up), ``context`` entered around it: seconds with a
+        timer or a clock, ops with an op counter."""
         layer = self._warm(CandidateProfile("none", "none", [], offload=False))
         opens: dict[str, list[tuple[str, str]]] = {}
         closes: dict[str, list[tuple[str, str]]] = {}
@@ -254,33 +261,43 @@ class IsolatedLayer:
             for span in spans:
                 opens.setdefault(span.start, []).append((name, span.end))
                 closes.setdefault(span.end, []).append((name, span.start))
-        synchronize = self.device.type == "cuda"
+        started: dict[tuple[str, str], float] = {}
+        spent = dict.fromkeys(units, 0.0)
+
+        def sink(marker: str) -> None:
+            reading = now()
+            for name, start in closes.get(marker, ()):
+                begun = started.pop((name, start), None)
+                if begun is not None and name in spent:
+                    spent[name] += reading - begun
+            for name, _ in opens.get(marker, ()):
+                started[(name, marker)] = reading
+
+        with routing_markers(sink), context if context is not None else contextlib.nullcontext():
+            self.step(layer, backward=False)
+        return spent
+
+    def unit_seconds(self, intervals: Mapping[Any, tuple[Any, ...]], units: list[str]) -> dict[str, float]:
+        """Per unit, the forward time of its marker intervals in the plain layer (median of 3
+        forwards after the warm-up; one on the clock): what the replay no longer reruns when
+        it is kept."""
         clock = self.clock
-        samples: dict[str, list[float]] = {unit: [] for unit in units}
-        for _ in range(1 if clock is not None else 3):
-            started: dict[tuple[str, str], float] = {}
-            spent = dict.fromkeys(units, 0.0)
+        if clock is not None:  # the estimate so far: its differences are the intervals'
+            return self.interval_totals(intervals, units, lambda: clock.seconds, clock)
 
-            def sink(marker: str, started=started, spent=spent) -> None:
-                if clock is not None:
-                    now = clock.seconds  # the estimate so far: its differences are the intervals'
-                elif synchronize:
-                    torch.cuda.synchronize(self.device)
-                    now = time.perf_counter()
-                else:
-                    now = time.perf_counter()
-                for name, start in closes.get(marker, ()):
-                    begun = started.pop((name, start), None)
-                    if begun is not None and name in spent:
-                        spent[name] += now - begun
-                for name, _ in opens.get(marker, ()):
-                    started[(name, marker)] = now
+        def now() -> float:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            return time.perf_counter()
 
-            with routing_markers(sink), clock if clock is not None else contextlib.nullcontext():
-                self.step(layer, backward=False)
-            for unit in units:
-                samples[unit].append(spent[unit])
-        return {unit: statistics.median(values) for unit, values in samples.items()}
+        rounds = [self.interval_totals(intervals, units, now) for _ in range(3)]
+        return {unit: statistics.median(r[unit] for r in rounds) for unit in units}
+
+    def unit_ops(self, intervals: Mapping[Any, tuple[Any, ...]], units: list[str]) -> dict[str, int]:
+        """Per unit, how many ops its marker intervals run in one forward of the plain layer."""
+        counter = OpCounter()
+        totals = self.interval_totals(intervals, units, lambda: sum(counter.counts.values()), counter)
+        return {unit: int(count) for unit, count in totals.items()}
 
     def measure_time(self, candidates: list[CandidateProfile], repeats: int) -> None:
         """Each candidate's ``extra_seconds`` over ``none`` (which must be among them): the

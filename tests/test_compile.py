@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import actplan
-from actplan._engine.policy import _Region
+from actplan._engine.region import TracedRegion
 from actplan._install.apply import find_layers
 from actplan.models import build_model
 
@@ -16,13 +16,13 @@ pytestmark = [pytest.mark.compile, pytest.mark.slow]
 def test_policy_sees_markers_in_order_in_a_fullgraph_compiled_layer(monkeypatch):
     torch._dynamo.reset()
     seen = []
-    original = _Region.on_marker
+    original = TracedRegion.on_marker
 
     def spy(self, marker):
         seen.append(marker)
         return original(self, marker)
 
-    monkeypatch.setattr(_Region, "on_marker", spy)
+    monkeypatch.setattr(TracedRegion, "on_marker", spy)
     bundle = build_model("dense", "tiny", n_layers=1)
     batch = bundle.make_batch(0)
     eager = copy.deepcopy(bundle.model)

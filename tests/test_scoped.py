@@ -189,7 +189,7 @@ def test_a_call_off_the_learnt_path_watches_everything_and_relearns():
         assert torch.equal(got, want), call
         if layer.route:  # the routing call: the sort ran once, never in the replay
             assert counter[aten.sort.default] == 1, call
-    assert policy.learnt_layout(layer) is not None
+    assert policy.learnt.layout(layer) is not None
 
 
 def test_second_backward_through_one_forward_names_the_layer():

@@ -23,6 +23,7 @@ from actplan._install.apply import (
 )
 from actplan._install.parallel import parallelize
 from actplan._install.plan import LayerPlan, Plan
+from actplan._torch_internals import TorchInternalsError
 from actplan.config import PRESETS, ConfigError, LayerSelector, OffloadConfig, RecomputeConfig
 from actplan.markers import checkpoint_record
 from actplan.units import UNIT_DESCRIPTIONS, MarkerInterval, RecomputeIntervalMap, RecomputeUnit
@@ -47,6 +48,7 @@ __all__ = [
     "RecomputeConfig",
     "RecomputeIntervalMap",
     "RecomputeUnit",
+    "TorchInternalsError",
     "apply",
     "apply_gradient_checkpointing",
     "checkpoint_record",

@@ -1,6 +1,6 @@
 """Storage identity: one helper for "which storage is this tensor's" and "which storages does
 the model own" (parameters and buffers), shared by the offload engine, the meters and the
-profiler. Imports only torch."""
+profiler. Imports torch and ``_torch_internals`` (which holds the storage key itself)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-
-def storage_key(tensor: torch.Tensor) -> int:
-    """The identity of ``tensor``'s storage (shared by every view of it)."""
-    return tensor.untyped_storage()._cdata
+from actplan._torch_internals import storage_key
 
 
 def storage_keys(tensors: Iterable[torch.Tensor]) -> set[int]:

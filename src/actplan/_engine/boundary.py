@@ -28,9 +28,9 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 from torch.utils import checkpoint as torch_checkpoint
-from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 
+from actplan._torch_internals import in_backward, tree_leaves
 from actplan.markers import LAYER_END, checkpoint_record, routing_markers
 
 _STATE_ATTR = "_actplan_checkpoint"
@@ -95,10 +95,25 @@ class MarkerPolicy(Protocol):
     context_fn: Callable[[], Any]
 
     def open_region(
-        self, layer_name: str | None = None, layer: nn.Module | None = None
+        self, layer_name: str | None = None, layer: nn.Module | None = None, observer: Any = None
     ) -> tuple[Callable[[], Any], Callable[[str], None]]:
         """Eager: a per-call ``context_fn`` and the sink its markers go to; ``layer`` is the
-        module calling (what a policy learns about a layer is kept per module)."""
+        module calling (what a policy learns about a layer is kept per module); ``observer``
+        the layer's ``LayerObserver``, if any."""
+        ...
+
+
+class LayerObserver(Protocol):
+    """What ``actplan verify`` attaches to a checkpointed layer to watch its runs."""
+
+    def phase(self, name: str) -> contextlib.AbstractContextManager[Any]:
+        """Entered around each run of the layer's own forward: ``name`` is "forward" or
+        "recompute" (the replay in backward)."""
+        ...
+
+    def placeholder_made(self, tensor: torch.Tensor) -> None:
+        """The replay made ``tensor`` to stand in for an output nothing reads: its values are
+        meaningless by design."""
         ...
 
 
@@ -117,9 +132,9 @@ class CheckpointState(RuntimeOnly):
     owner: Any = None
     # How errors name this module, e.g. "layers.3 (DecoderLayer)".
     name: str | None = None
-    # Verification hook (``actplan verify``): called with "forward" or "recompute", it returns
-    # a context manager entered around each run of the layer's own forward.
-    observer: Callable[[str], Any] | None = None
+    # Verification hook (``actplan verify``): watches each run of the layer's own forward and
+    # the placeholders its replay serves.
+    observer: LayerObserver | None = None
     # A fully recomputed layer's marker check (``marker_check``): run on its first eager
     # call with gradients, then dropped, so later calls cost nothing.
     marker_check: Callable[[str | None], Callable[[str], None]] | None = None
@@ -153,12 +168,15 @@ def _first_call_checked(
     state: CheckpointState, forward: Callable[..., Any], *args: Any, **kwargs: Any
 ) -> Any:
     # The forward (not the replay, which runs the same markers) checks the layer's markers once.
-    check = state.marker_check
-    if check is None or torch._C._current_graph_task_id() != -1:
+    # Taken before the forward runs, so the replay (in backward, after it) never sees it.
+    check, state.marker_check = state.marker_check, None
+    if check is None:
         return forward(*args, **kwargs)
-    out = _run_with_markers(check(state.name), forward, *args, **kwargs)
-    state.marker_check = None
-    return out
+    try:
+        return _run_with_markers(check(state.name), forward, *args, **kwargs)
+    except BaseException:
+        state.marker_check = check  # the first call that completes still checks
+        raise
 
 
 def _call_with_keywords(run: Callable[..., Any], names: tuple[str, ...], *flat: Any) -> Any:
@@ -166,10 +184,9 @@ def _call_with_keywords(run: Callable[..., Any], names: tuple[str, ...], *flat: 
     return run(*flat[:split], **dict(zip(names, flat[split:], strict=True)))
 
 
-def _observed(observer: Callable[[str], Any], forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+def _observed(observer: LayerObserver, forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     # The replay runs inside the autograd engine, where a graph task is current.
-    phase = "recompute" if torch._C._current_graph_task_id() != -1 else "forward"
-    with observer(phase):
+    with observer.phase("recompute" if in_backward() else "forward"):
         return forward(*args, **kwargs)
 
 
@@ -225,7 +242,7 @@ def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():
             context_fn, sink = state.policy.context_fn, None
         else:
-            context_fn, sink = state.policy.open_region(state.name, self)
+            context_fn, sink = state.policy.open_region(state.name, self, state.observer)
         options["context_fn"] = context_fn
         run = functools.partial(_run_with_markers, sink, inner)
     else:
@@ -322,7 +339,7 @@ def apply_gradient_checkpointing(
             layer's plan here so ``explain`` and ``remove`` can find it).
         name: how marker errors name this module (default: the policy's name).
         marker_check: without a ``policy``, a factory of marker sinks (such as
-            ``IntervalPolicy.marker_checker``) that check the layer's markers on its first
+            ``policy.MarkerChecker``) that check the layer's markers on its first
             eager call with gradients, so unbalanced markers raise under full recompute too.
         call_check: run as ``call_check(module, args, kwargs, name)`` before each call that is
             checkpointed; it raises to refuse the call (an integration's check of settings that

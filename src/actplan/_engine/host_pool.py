@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import _disable_current_modes
 
 from actplan._callsite import warn
+from actplan._torch_internals import disable_current_modes as _disable_current_modes
 
 __all__ = ["HostBuffer", "HostPool", "StreamCopies", "SyncCopies", "event_done", "size_class"]
 

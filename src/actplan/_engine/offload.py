@@ -30,13 +30,19 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensor
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from actplan._callsite import warn
 from actplan._engine.host_pool import HostPool, StreamCopies, SyncCopies
 from actplan._engine.offload_moves import Group, Handle, Moved, OffloadedTensorMutatedError
 from actplan._storage import owned_storages, storage_keys
+from actplan._torch_internals import (
+    OFFLOAD_PROBES,
+    FakeTensor,
+    StorageWeakRef,
+    probe,
+    storage_key_of,
+    tensor_version,
+)
 from actplan.sizes import DEFAULT_HOST_CAP_BYTES, DEFAULT_OFFLOAD_MIN_BYTES
 
 __all__ = ["OffloadEngine", "OffloadStats", "OffloadedTensorMutatedError", "quiet_empty_offload"]
@@ -136,6 +142,7 @@ class OffloadEngine:
         self._model: weakref.ref[nn.Module] | None = None
         self._warned_empty: set[str] = set()
         self._local = threading.local()
+        probe(OFFLOAD_PROBES)  # the private torch APIs offload relies on, once per process
 
     # -- set-up ---------------------------------------------------------------------------
 
@@ -147,7 +154,7 @@ class OffloadEngine:
         self._always_skip = storage_keys(also_skip)
         self._skip_storages = set(self._always_skip)
 
-    def _copies_for(self, device: torch.device) -> Any:
+    def copies_for(self, device: torch.device) -> Any:
         copies = self._copies.get(device)
         if copies is None:
             copies = self._copies[device] = self._make_copies(device)
@@ -206,7 +213,7 @@ class OffloadEngine:
             stats.skipped_other += 1  # already in host memory
             return tensor
         storage = tensor.untyped_storage()
-        key = storage._cdata
+        key = storage_key_of(storage)
         nbytes = storage.nbytes()
         if nbytes == 0 or nbytes < self.min_bytes:
             stats.skipped_small += 1
@@ -216,11 +223,11 @@ class OffloadEngine:
             return tensor
         moved = None
         known = self._moved.get(key)
-        if known is not None and not known[0].expired() and known[2] == tensor._version:
+        if known is not None and not known[0].expired() and known[2] == tensor_version(tensor):
             moved = known[1]()
         if moved is None:
             moved = Moved(self, tensor, nbytes)
-            self._moved[key] = (StorageWeakRef(storage), weakref.ref(moved), tensor._version)
+            self._moved[key] = (StorageWeakRef(storage), weakref.ref(moved), tensor_version(tensor))
             stats.bytes_offloaded += nbytes
             stats.storages_moved += 1
             if moved.source is not None:

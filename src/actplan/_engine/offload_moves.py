@@ -1,21 +1,31 @@
 """What offload moves and hands back: ``Moved`` (one storage on its way to the host tier and
 back), ``Handle`` (what autograd keeps for one offloaded tensor, a view of a moved storage)
 and ``Group`` (one wrapped layer call's moves, reloaded together). ``OffloadEngine`` in
-``offload`` makes and schedules them. Imports ``host_pool``; plus torch.
+``offload`` makes and schedules them, and reaches them as a ``Mover`` (a protocol here, so
+this module does not import ``offload``). Imports ``host_pool``, ``_torch_internals``; plus torch.
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
-from torch.utils._python_dispatch import _disable_current_modes
 
-from actplan._engine.host_pool import HostBuffer, event_done
+from actplan._engine.host_pool import HostBuffer, HostPool, event_done
+from actplan._torch_internals import disable_current_modes as _disable_current_modes
+from actplan._torch_internals import tensor_version
 
-if TYPE_CHECKING:
-    from actplan._engine.offload import OffloadEngine
+
+class Mover(Protocol):
+    """What a move needs of the engine that made it (``offload.OffloadEngine``)."""
+
+    pool: HostPool
+    stats: Any
+
+    def copies_for(self, device: torch.device) -> Any: ...
+
+    def ensure_loaded(self, group: Group) -> None: ...
 
 __all__ = ["Group", "Handle", "Moved", "OffloadedTensorMutatedError"]
 
@@ -43,10 +53,10 @@ class Moved:
         "version",
     )
 
-    def __init__(self, engine: OffloadEngine, source: torch.Tensor, nbytes: int) -> None:
+    def __init__(self, engine: Mover, source: torch.Tensor, nbytes: int) -> None:
         self.engine = engine
         self.nbytes = nbytes
-        self.copies = engine._copies_for(source.device)
+        self.copies = engine.copies_for(source.device)
         self.host: HostBuffer | None = engine.pool.acquire(nbytes)
         with _disable_current_modes():
             flat = torch.empty(0, dtype=torch.uint8, device=source.device).set_(source.untyped_storage())
@@ -56,7 +66,7 @@ class Moved:
             # seen however the copy ends and whether or not the tensor itself is still alive.
             # (The device memory itself is kept from reuse by the back-end, not by this alias.)
             self.source: torch.Tensor | None = source.detach() if self.copy_out is not None else None
-        self.version = source._version
+        self.version = tensor_version(source)
         self.mutated = False
         self.device = source.device
         self.copy_in: Any = None
@@ -92,7 +102,7 @@ class Moved:
         """Drop the alias once the copy-out is done, noting a write made before that; true
         when no alias is left."""
         if self.source is not None and event_done(self.copy_out):
-            self.mutated = self.mutated or self.source._version != self.version
+            self.mutated = self.mutated or tensor_version(self.source) != self.version
             self.source = None
         return self.source is None
 
@@ -102,7 +112,7 @@ class Moved:
         if self.mutated:
             return True
         alias = self.source if self.source is not None else self.reloaded if self.reload_skipped else None
-        if alias is not None and alias._version != self.version:
+        if alias is not None and tensor_version(alias) != self.version:
             self.mutated = True
         return self.mutated
 
@@ -125,7 +135,7 @@ class Handle:
         self.size = tuple(tensor.shape)
         self.stride = tuple(tensor.stride())
         self.offset = tensor.storage_offset()
-        self.version = tensor._version
+        self.version = tensor_version(tensor)
         self.original = weakref.ref(tensor)
 
     def materialize(self) -> torch.Tensor:
@@ -134,7 +144,7 @@ class Handle:
         # Checked after the reload started: a write found only then (the copy-out finished in
         # between, or the reload used the device copy) is as wrong as one found before.
         original = self.original()
-        if moved.changed_since_save() or (original is not None and original._version != self.version):
+        if moved.changed_since_save() or (original is not None and tensor_version(original) != self.version):
             raise OffloadedTensorMutatedError(
                 f"{self.group.name}: a tensor saved for backward (shape {list(self.size)}, {self.dtype}) "
                 "was modified by an in-place operation after actplan offloaded it; backward needs "
@@ -163,7 +173,7 @@ class Group:
         "tensors",
     )
 
-    def __init__(self, engine: OffloadEngine, name: str, index: int, pass_id: int) -> None:
+    def __init__(self, engine: Mover, name: str, index: int, pass_id: int) -> None:
         self.engine = engine
         self.name = name
         self.index = index

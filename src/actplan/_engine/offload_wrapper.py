@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves
 
 from actplan._engine.boundary import RuntimeOnly, inner_forward, install_forward, uninstall_forward
-from actplan._storage import storage_keys
+from actplan._storage import storage_key, storage_keys
+from actplan._torch_internals import tree_leaves
 from actplan.markers import routing_markers
 from actplan.units import marker_index
 
@@ -85,7 +85,7 @@ def _run(self: nn.Module, state: OffloadState, inner: Callable[..., Any], args: 
             inputs = storage_keys(t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
 
             def select(tensor: torch.Tensor) -> bool:
-                return tensor.untyped_storage()._cdata in inputs
+                return storage_key(tensor) in inputs
 
             with engine.saved_tensor_hooks(group, select):
                 out = inner(*args, **kwargs)

@@ -10,36 +10,37 @@ out one region per checkpointed call:
   collectives saved; views, in-place, uninitialised and random ops replayed) reach
   AOTAutograd's partitioner, which saves what the backward graph reads.
 
-Both follow the layer's markers with the same state machine (``region.MarkerState``).
-Imports point down to ``units``, ``markers``, ``ops``, ``region``, ``held`` and ``scoped``.
+Both follow the layer's markers with the same state machine (``region.MarkerState``). The
+policy holds the plan (``interval_plan.IntervalPlan``, immutable) apart from what its eager calls
+learn (``learnt.LearntState``).
+Imports point down to ``interval_plan``, ``learnt``, ``ops``, ``region``, ``scoped`` and
+``_torch_internals``.
 """
 
 from __future__ import annotations
 
 import functools
-import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
-from actplan._callsite import warn
-from actplan._engine.held import HeldReport, LearntLayout
+from actplan._engine.interval_plan import IntervalPlan
+from actplan._engine.learnt import HeldReport, LearntState
 from actplan._engine.ops import ROUTING_OPS, UNINITIALIZED_OPS
 from actplan._engine.region import KeptTensorMutatedError, MarkerError, MarkerState, TracedRegion
 from actplan._engine.scoped import ScopedRegion
-from actplan.units import MarkerInterval, RecomputeIntervalMap, marker_index
+from actplan._torch_internals import probe
+from actplan.units import MarkerInterval, RecomputeIntervalMap
 
 __all__ = [
     "ROUTING_OPS",
     "UNINITIALIZED_OPS",
     "IntervalPolicy",
     "KeptTensorMutatedError",
+    "MarkerChecker",
     "MarkerError",
 ]
-
-# The compiled engine's region (tests drive its decisions directly).
-_Region = TracedRegion
 
 
 class IntervalPolicy:
@@ -55,6 +56,8 @@ class IntervalPolicy:
         offload_intervals: kept intervals whose held outputs move to the host tier
             between forward and recompute (eager layers); needs ``offloader``.
         offloader: an ``OffloadEngine`` (``current_group`` and ``offload``).
+        watch_every_segment: for debugging and tests: every eager call takes the full path
+            (every segment watched, the marker state machine run), never the learnt fast path.
 
     ``context_fn`` is what ``torch.utils.checkpoint`` takes; it is a stable
     ``functools.partial`` so ``torch.compile`` can trace it and guard on it (the
@@ -71,94 +74,87 @@ class IntervalPolicy:
         save_collectives: bool = True,
         offload_intervals: Iterable[MarkerInterval] = (),
         offloader: Any = None,
+        watch_every_segment: bool = False,
     ) -> None:
-        kept = frozenset(kept_intervals)
         offloaded = frozenset(offload_intervals)
-        if offloaded - kept:
-            raise ValueError(
-                f"{layer_name}: offloaded intervals {sorted(map(str, offloaded - kept))} are not kept; "
-                "only kept outputs are saved, so only they can be offloaded"
-            )
         if offloaded and offloader is None:
             raise ValueError(f"{layer_name}: offload_intervals need an offloader (an OffloadEngine)")
-        declared = {span for spans in interval_map.values() for span in spans}
-        undeclared = kept - declared
-        if undeclared:
-            raise ValueError(
-                f"{layer_name}: kept intervals {sorted(map(str, undeclared))} are not declared in the "
-                f"layer's RecomputeIntervalMap; declared: {sorted(map(str, declared))}"
-            )
-        self.interval_map = interval_map
-        self.kept_intervals = kept
-        self.layer_name = layer_name
-        self.save_collectives = save_collectives
-        self.offload_intervals = offloaded
+        self.plan = IntervalPlan.make(
+            interval_map,
+            kept_intervals,
+            layer_name=layer_name,
+            save_collectives=save_collectives,
+            offload_intervals=offloaded,
+        )
+        self.learnt = LearntState()
         self.offloader = offloader
-        self._opens, self._closes = marker_index(declared)
-        self._warned_idle: set[MarkerInterval] = set()
-        # Kept intervals that ran in any layer sharing this policy (a consumer layer
-        # may legitimately skip what its source layer runs).
-        self._ever_ran: set[MarkerInterval] = set()
-        # Per calling layer: the marker path and routing segments its first call showed,
-        # and what its latest call held (for reports).
-        # Keyed by the calling module (a policy serves several layers, which may take
-        # different paths); a layer wrapped without one shares the policy's entry.
-        self._layouts: weakref.WeakKeyDictionary[Any, LearntLayout] = weakref.WeakKeyDictionary()
-        self._unkeyed_layout: LearntLayout | None = None
-        self._held: dict[str, HeldReport] = {}
+        self.watch_every_segment = watch_every_segment
         self.context_fn = functools.partial(_traced_contexts, self)
+        # The private torch APIs the engine relies on, checked once per process.
+        probe()
+
+    @property
+    def interval_map(self) -> RecomputeIntervalMap:
+        return self.plan.interval_map
+
+    @property
+    def kept_intervals(self) -> frozenset[MarkerInterval]:
+        return self.plan.kept_intervals
+
+    @property
+    def offload_intervals(self) -> frozenset[MarkerInterval]:
+        return self.plan.offload_intervals
+
+    @property
+    def save_collectives(self) -> bool:
+        return self.plan.save_collectives
+
+    @property
+    def layer_name(self) -> str:
+        return self.plan.layer_name
 
     def open_region(
-        self, layer_name: str | None = None, layer: Any = None
+        self, layer_name: str | None = None, layer: Any = None, observer: Any = None
     ) -> tuple[Callable[[], Any], Callable[[str], None]]:
         """Eager form, one per checkpointed call: a ``context_fn`` bound to a fresh
         region, and the marker sink that feeds the same region directly.
         ``layer_name`` names the calling layer in errors and reports (the policy may be
-        shared); ``layer``, the calling module, keys what is learnt about its path."""
-        region = ScopedRegion(self, layer_name, layer)
+        shared); ``layer``, the calling module, keys what is learnt about its path;
+        ``observer`` (``actplan verify``'s) is told of the placeholders the replay serves."""
+        region = ScopedRegion(
+            self.plan,
+            self.learnt,
+            layer_name,
+            layer,
+            offloader=self.offloader,
+            watch_every_segment=self.watch_every_segment,
+            observer=observer,
+        )
         return region.contexts, region.on_marker
-
-    def marker_checker(self, layer_name: str | None = None) -> Callable[[str], None]:
-        """A marker sink that only checks one call's markers against the interval map
-        (unknown, unbalanced, wrongly nested: ``MarkerError``) and decides nothing; the
-        boundary runs it on a fully recomputed layer's first eager call."""
-        return MarkerState(self, layer_name).on_marker
-
-    def learnt_layout(self, layer: Any) -> LearntLayout | None:
-        return self._unkeyed_layout if layer is None else self._layouts.get(layer)
-
-    def learn_layout(self, layer: Any, layout: LearntLayout) -> None:
-        if layer is None:
-            self._unkeyed_layout = layout
-        else:
-            self._layouts[layer] = layout
-
-    def record_held(self, layer_name: str, report: HeldReport) -> None:
-        self._held[layer_name] = report
 
     def held_reports(self) -> dict[str, HeldReport]:
         """Per layer that ran eagerly under this policy: bytes its latest forward held per kept
         interval, and bytes autograd saved while each kept interval was open."""
-        return dict(self._held)
+        return self.learnt.held_reports()
 
     def __repr__(self) -> str:
         kept = ", ".join(sorted(str(s) for s in self.kept_intervals)) or "nothing"
         return f"IntervalPolicy({self.layer_name}: keep {kept})"
 
-    def describe(self, interval: MarkerInterval) -> str:
-        return f"interval {interval} of unit {self.interval_map.unit_of(interval).value!r}"
 
-    def warn_idle(self, interval: MarkerInterval, layer_name: str, what: str) -> None:
-        """Warn once per interval that a kept interval did no work (``what`` says how)."""
-        if interval in self._warned_idle:
-            return
-        self._warned_idle.add(interval)
-        warn(
-            f"{layer_name}: kept {self.describe(interval)} {what}, so keeping it saves nothing. "
-            "Check that the layer emits its markers around real work, or drop the unit from 'keep'."
-        )
+class MarkerChecker:
+    """For a fully recomputed layer, which decides nothing by markers: a marker sink per call
+    that only checks the markers against the interval map (unknown, unbalanced, wrongly
+    nested: ``MarkerError``). The boundary runs one on the layer's first eager call. Needs no
+    torch internals (so no probe), as whole-layer checkpointing needs none."""
+
+    def __init__(self, interval_map: RecomputeIntervalMap, layer_name: str) -> None:
+        self.plan = IntervalPlan.make(interval_map, (), layer_name=layer_name)
+
+    def __call__(self, layer_name: str | None = None) -> Callable[[str], None]:
+        return MarkerState(self.plan, LearntState(), layer_name).on_marker
 
 
 def _traced_contexts(policy: IntervalPolicy):
-    region = TracedRegion(policy)
+    region = TracedRegion(policy.plan, policy.learnt)
     return create_selective_checkpoint_contexts(region.decide)

@@ -3,7 +3,8 @@
 ``MarkerState`` follows the ``checkpoint_record`` markers of one checkpointed call as a
 small state machine: which declared intervals are open, which kept ones, and errors for
 markers that are unknown, unbalanced or wrongly nested (naming the layer, the marker
-and what was expected). ``TracedRegion`` adds per-op decisions for
+and what was expected). It reads the plan (``IntervalPlan``) and notes in the policy's
+``LearntState`` which kept intervals ran. ``TracedRegion`` adds per-op decisions for
 ``torch.utils.checkpoint``'s selective-checkpoint modes; it runs when a layer is compiled,
 where AOTAutograd's partitioner then saves only what the backward graph reads. Eager
 layers use ``scoped.ScopedRegion`` instead. Imports: ``ops``, ``markers``, ``units``.
@@ -12,24 +13,20 @@ layers use ``scoped.ScopedRegion`` instead. Imports: ``ops``, ``markers``, ``uni
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
+from actplan._engine.interval_plan import IntervalPlan
+from actplan._engine.learnt import LearntState
 from actplan._engine.ops import _TRAITS, always_replayed, always_saved, op_traits
+from actplan._torch_internals import storage_key
 from actplan.markers import LAYER_END, MARKER_OP
 from actplan.units import MarkerInterval
 
-if TYPE_CHECKING:
-    from actplan._engine.policy import IntervalPolicy
-
 _SAVE = CheckpointPolicy.MUST_SAVE
 _RECOMPUTE = CheckpointPolicy.PREFER_RECOMPUTE
-
-# torch < 2.13 also calls the policy during recompute (ctx.is_recompute=True) and
-# expects the same answers; newer torch replays cached decisions by index itself.
-_POLICY_CALLED_ON_RECOMPUTE = tuple(int(p) for p in torch.__version__.split(".")[:2]) < (2, 13)
 
 
 class MarkerError(RuntimeError):
@@ -80,9 +77,10 @@ def mutation_error(
 class MarkerState:
     """Marker state for one checkpointed call of one layer."""
 
-    def __init__(self, policy: IntervalPolicy, layer_name: str | None = None) -> None:
-        self.policy = policy
-        self.layer_name = layer_name or policy.layer_name
+    def __init__(self, plan: IntervalPlan, learnt: LearntState, layer_name: str | None = None) -> None:
+        self.plan = plan
+        self.learnt = learnt
+        self.layer_name = layer_name or plan.layer_name
         # interval -> (sequence number of the marker that opened it, op_count then)
         self.open: dict[MarkerInterval, tuple[int, int]] = {}
         # Open kept intervals, innermost last; and every kept interval opened so far.
@@ -98,14 +96,14 @@ class MarkerState:
             # The replay in backward reruns the forward and its markers: decisions are
             # already made by then.
             return
-        policy = self.policy
+        plan = self.plan
         if marker == LAYER_END:
             self._finish()
             return
-        closes = policy._closes.get(marker, ())
-        opens = policy._opens.get(marker, ())
+        closes = plan.closes.get(marker, ())
+        opens = plan.opens.get(marker, ())
         if not closes and not opens:
-            known = ", ".join(sorted(policy.interval_map.markers))
+            known = ", ".join(sorted(plan.interval_map.markers))
             raise MarkerError(
                 f"{self.layer_name}: unknown marker {marker!r}; the layer's RecomputeIntervalMap "
                 f"uses markers {known}. Declare an interval that starts or ends at {marker!r}, or "
@@ -116,7 +114,7 @@ class MarkerState:
             if span not in self.open:
                 raise MarkerError(
                     f"{self.layer_name}: unbalanced marker {marker!r}: it ends "
-                    f"{policy.describe(span)}, which is not open; expected marker {span.start!r} "
+                    f"{plan.describe(span)}, which is not open; expected marker {span.start!r} "
                     "before it"
                 )
         for span in closes:
@@ -125,40 +123,39 @@ class MarkerState:
                 if other_seq > opened_seq and other not in closes:
                     raise MarkerError(
                         f"{self.layer_name}: wrongly nested marker {marker!r}: it ends "
-                        f"{policy.describe(span)} while {policy.describe(other)}, opened inside "
+                        f"{plan.describe(span)} while {plan.describe(other)}, opened inside "
                         f"it, is still open; expected marker {other.end!r} first"
                     )
         for span in closes:
             _, opened_ops = self.open.pop(span)
-            if span in policy.kept_intervals:
+            if span in plan.kept_intervals:
                 self.kept.remove(span)
                 if opened_ops == self.op_count:
-                    policy.warn_idle(span, self.layer_name, "ran no op")
+                    self.learnt.warn_idle(plan, span, self.layer_name, "ran no op")
         for span in opens:
             if span in self.open:
                 raise MarkerError(
                     f"{self.layer_name}: unbalanced marker {marker!r}: it starts "
-                    f"{policy.describe(span)} again before that interval ended; expected marker "
+                    f"{plan.describe(span)} again before that interval ended; expected marker "
                     f"{span.end!r} first"
                 )
             self.open[span] = (self.marker_seq, self.op_count)
-            if span in policy.kept_intervals:
+            if span in plan.kept_intervals:
                 self.kept.append(span)
                 self.kept_seen.add(span)
-                policy._ever_ran.add(span)
+                self.learnt.ever_ran.add(span)
 
     def _finish(self) -> None:
         self.finished = True
         if self.open:
             span = max(self.open, key=lambda s: self.open[s][0])
             raise MarkerError(
-                f"{self.layer_name}: unbalanced markers: {self.policy.describe(span)} is "
+                f"{self.layer_name}: unbalanced markers: {self.plan.describe(span)} is "
                 f"still open when the forward returns; expected marker {span.end!r}"
             )
-        for span in self.policy.kept_intervals - self.kept_seen - self.policy._ever_ran:
-            self.policy.warn_idle(
-                span, self.layer_name, f"never ran (marker {span.start!r} was not emitted) in any layer yet"
-            )
+        for span in self.plan.kept_intervals - self.kept_seen - self.learnt.ever_ran:
+            what = f"never ran (marker {span.start!r} was not emitted) in any layer yet"
+            self.learnt.warn_idle(self.plan, span, self.layer_name, what)
 
 
 class TracedRegion(MarkerState):
@@ -170,11 +167,14 @@ class TracedRegion(MarkerState):
     reach the partitioner, which saves a tagged output only if the backward graph reads it.
     """
 
-    def __init__(self, policy: IntervalPolicy, layer_name: str | None = None) -> None:
-        super().__init__(policy, layer_name)
+    def __init__(self, plan: IntervalPlan, learnt: LearntState, layer_name: str | None = None) -> None:
+        super().__init__(plan, learnt, layer_name)
         # Storages of saved outputs -> (producing op, kept interval or None if always saved).
         self.cached: dict[int, tuple[Any, MarkerInterval | None]] = {}
-        self.log: dict | None = defaultdict(list) if _POLICY_CALLED_ON_RECOMPUTE else None
+        # Some torch releases call the policy again during recompute (ctx.is_recompute) and
+        # expect the same answers; others replay the cached decisions themselves. Both work:
+        # the answers are logged per op (at trace time under compile, so it costs no step time).
+        self.log: dict = defaultdict(list)
         self.replay_index: dict = defaultdict(int)
 
     def decide(self, ctx, func, *args, **kwargs) -> CheckpointPolicy:
@@ -193,13 +193,12 @@ class TracedRegion(MarkerState):
             elif self.kept:
                 decision = _SAVE
                 self._remember(ctx, func, self.kept[-1])
-            elif self.policy.save_collectives and always_saved(traits, args, kwargs):
+            elif self.plan.save_collectives and always_saved(traits, args, kwargs):
                 decision = _SAVE
                 self._remember(ctx, func, None)
             else:
                 decision = _RECOMPUTE
-        if self.log is not None:
-            self.log[func].append(decision)
+        self.log[func].append(decision)
         return decision
 
     def _remember(self, ctx, func, interval: MarkerInterval | None) -> None:
@@ -207,27 +206,22 @@ class TracedRegion(MarkerState):
         outputs = getattr(ctx, "op_output", None)
         for out in outputs if isinstance(outputs, (tuple, list)) else (outputs,):
             if isinstance(out, torch.Tensor) and out.device.type != "meta":
-                self.cached.setdefault(out.untyped_storage()._cdata, (func, interval))
+                self.cached.setdefault(storage_key(out), (func, interval))
 
     def _check_mutation(self, func, mutated, args, kwargs) -> None:
         for position, name in mutated:
             target = args[position] if position < len(args) else kwargs.get(name)
             if not isinstance(target, torch.Tensor) or target.device.type == "meta":
                 continue
-            producer = self.cached.get(target.untyped_storage()._cdata)
+            producer = self.cached.get(storage_key(target))
             if producer is None:
                 continue
             producer_op, interval = producer
-            kept = None if interval is None else self.policy.describe(interval)
-            routing = self.policy.save_collectives and op_traits(producer_op).always_saved
+            kept = None if interval is None else self.plan.describe(interval)
+            routing = self.plan.save_collectives and op_traits(producer_op).always_saved
             raise mutation_error(self.layer_name, func, producer_op, kept, routing)
 
     def _replay(self, func) -> CheckpointPolicy:
-        if self.log is None:
-            raise RuntimeError(
-                "this torch build calls the selective-checkpoint policy during recompute, which "
-                f"actplan did not expect for torch {torch.__version__}; please report it"
-            )
         index = self.replay_index[func]
         self.replay_index[func] = index + 1
         return self.log[func][index]

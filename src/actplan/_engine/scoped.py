@@ -33,57 +33,76 @@ What is held
 
 The replay serves each held output once (then lets it go) and refuses a second
 backward through the same forward, as torch's own selective checkpointing does.
-Imports: ``held`` (its records and helpers), ``ops``, ``region``; plus torch.
+Imports: ``held`` (its records and helpers), ``interval_plan``, ``learnt``, ``ops``, ``region``,
+``_torch_internals``; plus torch.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from actplan._engine.held import (
-    PLACEHOLDERS,
-    PYTHON_REFS,
-    ROUTING,
     Entry,
     HeldOutput,
-    HeldReport,
-    LearntLayout,
-    Phase,
+    PhaseContext,
+    RegionPhase,
     SegmentMode,
-    checkpoint_frame,
-    detach_alias,
     is_dense_tensor,
     is_parameter,
     make_placeholder,
     tensor_args,
 )
+from actplan._engine.interval_plan import IntervalPlan
+from actplan._engine.learnt import HeldReport, LearntLayout, LearntState
 from actplan._engine.ops import _TRAITS, always_replayed, always_saved, op_traits
 from actplan._engine.region import KeptTensorMutatedError, MarkerError, MarkerState, mutation_error
+from actplan._torch_internals import (
+    TorchDispatchMode,
+    TorchInternalsError,
+    checkpoint_frame,
+    detach_alias,
+    disable_current_modes,
+    python_storage_refs,
+    saved_count,
+    storage_key_of,
+    storage_use_count,
+    tensor_version,
+    top_saved_tensors_hooks,
+    tree_flatten,
+    tree_unflatten,
+)
 from actplan.markers import LAYER_END
 from actplan.units import MarkerInterval
 
-if TYPE_CHECKING:
-    from actplan._engine.policy import IntervalPolicy
-
-# Module-level alias: the per-op sweep calls it for every pending storage.
-_use_count = torch._C._storage_Use_Count
+_FORWARD, _REPLAY = RegionPhase.FORWARD, RegionPhase.REPLAY
 
 
 class ScopedRegion(MarkerState):
     """Marker state, watched segments and held outputs for one checkpointed call."""
 
-    def __init__(self, policy: IntervalPolicy, layer_name: str | None = None, layer: Any = None) -> None:
-        super().__init__(policy, layer_name)
+    def __init__(
+        self,
+        plan: IntervalPlan,
+        learnt: LearntState,
+        layer_name: str | None = None,
+        layer: Any = None,
+        *,
+        offloader: Any = None,
+        watch_every_segment: bool = False,
+        observer: Any = None,
+    ) -> None:
+        super().__init__(plan, learnt, layer_name)
         self.layer = layer
-        self.layout: LearntLayout | None = policy.learnt_layout(layer)
-        self.watch_all = self.layout is None
+        self.offloader = offloader
+        self.observer = observer  # told of each placeholder the replay serves (verify's)
+        self.layout: LearntLayout | None = learnt.layout(layer)
+        self.watch_all = self.layout is None or watch_every_segment
         self.relearn = self.layout is None
-        self.phase = "idle"
+        self.python_refs = python_storage_refs()
+        self.phase = RegionPhase.IDLE
         self.segment = 0  # marker events so far
         self.current_kept: MarkerInterval | None = None  # innermost kept interval open now
         self.segment_kept: list[MarkerInterval | None] = [None]  # per segment, for learning
@@ -116,11 +135,10 @@ class ScopedRegion(MarkerState):
         self.replay_entries: list[Entry] = []
         self.cursor = 0
         self.replayed = False
-        self.placeholders: list[int] = []  # registry keys of this replay's placeholders
 
-    def contexts(self) -> tuple[Phase, Phase]:
+    def contexts(self) -> tuple[PhaseContext, PhaseContext]:
         """``torch.utils.checkpoint``'s ``context_fn`` result: (forward, replay)."""
-        return Phase(self, replay=False), Phase(self, replay=True)
+        return PhaseContext(self, replay=False), PhaseContext(self, replay=True)
 
     # -- segments -----------------------------------------------------------------------------
 
@@ -130,7 +148,7 @@ class ScopedRegion(MarkerState):
         return self.layout is not None and self.segment in self.layout.routing_segments
 
     def _open_segment(self) -> None:
-        if self.phase == "forward":
+        if self.phase is _FORWARD:
             if not self._watching():
                 self._expose()
                 return
@@ -147,15 +165,16 @@ class ScopedRegion(MarkerState):
                 def pack(tensor: torch.Tensor) -> Any:
                     if is_dense_tensor(tensor):
                         storage = tensor.untyped_storage()
-                        packed.add(storage._cdata)
+                        key = storage_key_of(storage)
+                        packed.add(key)
                         if saved_in is not None and not is_parameter(tensor):
-                            saved_in[storage._cdata] = storage.nbytes()
+                            saved_in[key] = storage.nbytes()
                     return outer_pack(tensor)
 
                 self.hooks = torch.autograd.graph.saved_tensors_hooks(pack, outer_unpack)
                 self.hooks.__enter__()
             self.mode.__enter__()
-        elif self.phase == "replay":
+        elif self.phase is _REPLAY:
             entries = self.watched.get(self.segment)
             if entries is None:
                 return
@@ -171,11 +190,11 @@ class ScopedRegion(MarkerState):
         if self.hooks is not None:
             hooks, self.hooks = self.hooks, None
             hooks.__exit__(None, None, None)
-        if self.phase == "forward":
+        if self.phase is _FORWARD:
             self._sweep(closing=True)
 
     def on_marker(self, marker: str) -> None:
-        if self.phase == "replay":
+        if self.phase is _REPLAY:
             self._close_segment()
             self.segment += 1
             expected = self.marker_names[self.segment - 1] if self.segment <= len(self.marker_names) else None
@@ -188,7 +207,7 @@ class ScopedRegion(MarkerState):
             if marker != LAYER_END:
                 self._open_segment()
             return
-        if self.phase != "forward":
+        if self.phase is not _FORWARD:
             super().on_marker(marker)
             return
         self._close_segment()
@@ -225,11 +244,20 @@ class ScopedRegion(MarkerState):
     # -- forward ------------------------------------------------------------------------------
 
     def begin_forward(self) -> None:
-        self.phase = "forward"
-        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
-        if top is not None:
-            self.outer_pack = top
-            self.frame = checkpoint_frame(top[0])
+        self.phase = _FORWARD
+        top = top_saved_tensors_hooks()
+        self.frame = checkpoint_frame(top[0]) if top is not None else None
+        if self.frame is None:
+            # torch.utils.checkpoint pushes its hooks before entering context_fn's forward
+            # context; without its frame the engine cannot tell where the replay stops.
+            raise TorchInternalsError(
+                f"{self.layer_name}: torch {torch.__version__}: the forward of a selectively "
+                "checkpointed layer found no torch.utils.checkpoint frame in the saved-tensor "
+                "hooks in effect; this torch orders checkpoint's hooks and context_fn differently. "
+                "Use mode 'full' for this layer, or a torch release actplan is tested with, and "
+                "please report it."
+            )
+        self.outer_pack = top
         self._open_segment()
 
     def run_forward_op(self, func, args, kwargs):
@@ -237,21 +265,22 @@ class ScopedRegion(MarkerState):
         traits = _TRAITS.get(id(func)) or op_traits(func)
         if not traits.is_view:
             self.busy_segments.add(self.segment)
-        routing = self.policy.save_collectives and always_saved(traits, args, kwargs)
-        if always_replayed(traits, args, kwargs):
-            kept = None
-        elif self.current_kept is not None and (
+        routing = self.plan.save_collectives and always_saved(traits, args, kwargs)
+        replayed = always_replayed(traits, args, kwargs)
+        interval = self.current_kept
+        # Held: a kept interval's expensive ops, routing ops and ops reading what is held; and
+        # routing ops outside every kept interval. (A cheap op whose inputs the replay recomputes
+        # anyway reruns: holding its output would cost memory to save a little elementwise work.)
+        if not replayed and interval is not None and (
             traits.expensive or routing or self._reads_held(args, kwargs)
         ):
-            # (A cheap op whose inputs the replay recomputes anyway reruns: holding its output
-            # would cost memory to save a little elementwise work.)
-            kept = self.current_kept
-        elif routing:
-            kept = ROUTING
+            held = True
+        elif not replayed and routing:
+            held = True
             self.routing_segments.add(self.segment)
         else:
-            kept = None
-        if kept is None:
+            held = False
+        if not held:
             if self.refs and not traits.is_view and not traits.uninitialized:
                 self._pin_inputs(func, traits, args, kwargs)
             self.watched[self.segment].append(Entry(func))
@@ -259,10 +288,7 @@ class ScopedRegion(MarkerState):
         if self.pending:
             self._sweep_pending()
         out = func(*args, **kwargs)
-        if kept is ROUTING:
-            self._hold(func, out, None, always=True)
-        else:
-            self._hold(func, out, kept, always=routing)
+        self._hold(func, out, interval, routing)
         return out
 
     def _reads_held(self, args, kwargs) -> bool:
@@ -271,7 +297,7 @@ class ScopedRegion(MarkerState):
             return False
         for leaf in tensor_args(args, kwargs):
             if is_dense_tensor(leaf):
-                if leaf.untyped_storage()._cdata in refs:
+                if storage_key_of(leaf.untyped_storage()) in refs:
                     return True
             elif not isinstance(leaf, nn.Parameter):
                 return True  # a tensor subclass: its storage cannot be checked, assume held
@@ -287,7 +313,7 @@ class ScopedRegion(MarkerState):
         for leaf in tensor_args(args, kwargs):
             if not is_dense_tensor(leaf) or leaf.device.type == "meta":
                 continue
-            storage = leaf.untyped_storage()._cdata
+            storage = storage_key_of(leaf.untyped_storage())
             if storage not in refs:
                 continue
             if id(leaf) in written:
@@ -318,12 +344,12 @@ class ScopedRegion(MarkerState):
         else:
             del self.refs[held.storage]
         storage = value.untyped_storage()
-        held.value, held.storage, held.version = value, storage._cdata, value._version
+        held.value, held.storage, held.version = value, storage_key_of(storage), tensor_version(value)
         held.nbytes = storage.nbytes()
         self.refs[held.storage] = self.refs.get(held.storage, 0) + 1
         self.routing_segments.add(self.segment)  # learnt: later calls watch this write too
 
-    def _hold(self, func, out, interval: MarkerInterval | None, always: bool) -> None:
+    def _hold(self, func, out, interval: MarkerInterval | None, routing: bool) -> None:
         # Routing, collective and device-to-host outputs are held whatever reads them, and so are
         # integer and boolean outputs (ids, counts, masks): Python may read those without the
         # dispatcher seeing it (``counts.tolist()`` for split sizes), and they are small.
@@ -332,7 +358,7 @@ class ScopedRegion(MarkerState):
         for leaf in leaves:
             if is_dense_tensor(leaf) and leaf.device.type != "meta":
                 storage = leaf.untyped_storage()
-                key = storage._cdata
+                key = storage_key_of(storage)
                 if key not in self.refs:
                     # A new storage: what was packed or pinned at this address before is gone.
                     self.packed.discard(key)
@@ -343,15 +369,15 @@ class ScopedRegion(MarkerState):
                     interval=interval,
                     storage=key,
                     nbytes=storage.nbytes(),
-                    version=alias._version,
+                    version=tensor_version(alias),
                     meta=(alias.size(), alias.stride(), alias.dtype, alias.device),
                     producer=func,
-                    routing=always,
+                    routing=routing,
                 )
                 self.refs[key] = self.refs.get(key, 0) + 1
                 if self.relearn:
                     self.produced.setdefault(interval, {})[key] = held.nbytes
-                if always or not (alias.is_floating_point() or alias.is_complex()):
+                if routing or not (alias.is_floating_point() or alias.is_complex()):
                     self.held.append(held)
                 else:
                     self.pending.setdefault(key, []).append(held)
@@ -363,7 +389,7 @@ class ScopedRegion(MarkerState):
         self.watched[self.segment].append(Entry(func, kept, spec))
 
     def _dead(self, storage: int) -> bool:
-        return _use_count(storage) <= self.refs[storage] + PYTHON_REFS
+        return storage_use_count(storage) <= self.refs[storage] + self.python_refs
 
     def _sweep_pending(self) -> None:
         # Before each kept op: let the current segment's outputs nobody references go at once.
@@ -427,13 +453,10 @@ class ScopedRegion(MarkerState):
                     del self.refs[held.storage]
 
     def _saved_so_far(self) -> int | None:
-        frame = self.frame
-        if frame is None or not frame.early_stop:
-            return None
-        return len(frame.weak_holders)
+        return None if self.frame is None else saved_count(self.frame)
 
     def _mutation(self, held: HeldOutput) -> KeptTensorMutatedError:
-        kept = None if held.interval is None else self.policy.describe(held.interval)
+        kept = None if held.interval is None else self.plan.describe(held.interval)
         return mutation_error(self.layer_name, held.mutated_by, held.producer, kept, held.routing)
 
     def _end_forward(self) -> None:
@@ -460,19 +483,19 @@ class ScopedRegion(MarkerState):
                 routing_segments=frozenset(self.routing_segments),
                 inert_segments=frozenset(inert),
             )
-            self.policy.learn_layout(self.layer, layout)
+            self.learnt.learn(self.layer, layout)
         report = self._held_report()
-        offloaded = self.policy.offload_intervals
+        offloaded = self.plan.offload_intervals
         if offloaded:
-            engine = self.policy.offloader
+            engine = self.offloader
             group = engine.current_group(self.layer_name)
-            with _disable_current_modes():  # host copies are not the step's device memory
+            with disable_current_modes():  # host copies are not the step's device memory
                 for held in self.held:
                     if held.interval in offloaded:
                         moved = engine.offload(held.value, group)
                         if moved is not held.value:
                             held.value, held.offloaded = moved, True
-        self.policy.record_held(self.layer_name, report)
+        self.learnt.record_held(self.layer_name, report)
 
     def _held_report(self) -> HeldReport:
         report = HeldReport()
@@ -482,7 +505,7 @@ class ScopedRegion(MarkerState):
                 seen.add(held.storage)
                 report.held[held.interval] = report.held.get(held.interval, 0) + held.nbytes
         if not self.relearn:
-            previous = self.policy.held_reports().get(self.layer_name)
+            previous = self.learnt.held_reports().get(self.layer_name)
             report.autograd = dict(previous.autograd) if previous is not None else {}
             return report
         for interval in set(self.saved_in) | set(self.produced):
@@ -504,12 +527,12 @@ class ScopedRegion(MarkerState):
                 "this layer fully (mode: full) if you need retain_graph=True."
             )
         self.replayed = True
-        self.phase = "replay"
+        self.phase = _REPLAY
         self.segment = 0
         for held in self.held:
             if held.offloaded:
                 held.value = held.value.materialize()
-                held.version = held.value._version
+                held.version = tensor_version(held.value)
         self._open_segment()
 
     def run_replay_op(self, func, args, kwargs):
@@ -532,11 +555,9 @@ class ScopedRegion(MarkerState):
             return leaf
         value = leaf.value
         if value is None:
-            placeholder, key = make_placeholder(leaf.meta)
-            self.placeholders.append(key)
-            return placeholder
-        if not leaf.offloaded and value._version != leaf.version:
-            kept = None if leaf.interval is None else self.policy.describe(leaf.interval)
+            return make_placeholder(leaf.meta, self.observer)
+        if not leaf.offloaded and tensor_version(value) != leaf.version:
+            kept = None if leaf.interval is None else self.plan.describe(leaf.interval)
             raise mutation_error(self.layer_name, None, leaf.producer, kept, leaf.routing)
         leaf.value = None  # handed to backward once
         return value
@@ -545,11 +566,7 @@ class ScopedRegion(MarkerState):
         self._close_segment()
         # The frame holds this region (through its replay context): no cycle past the forward.
         self.frame = self.outer_pack = None
-        if self.phase == "replay":
-            for key in self.placeholders:
-                PLACEHOLDERS.storages.pop(key, None)
-            self.placeholders.clear()
-        if self.phase == "replay" or failed:
+        if self.phase is _REPLAY or failed:
             # Served or not, nothing is held past the replay (or past a failed forward).
             for held in self.held:
                 held.value = None
@@ -558,4 +575,4 @@ class ScopedRegion(MarkerState):
             self.undecided.clear()
             self.refs.clear()
             self.watched.clear()
-        self.phase = "done" if self.phase == "replay" else "forward-done"
+        self.phase = RegionPhase.DONE if self.phase is _REPLAY else RegionPhase.FORWARD_DONE

@@ -23,7 +23,7 @@ from actplan._engine.boundary import (
 )
 from actplan._engine.offload import OffloadEngine
 from actplan._engine.offload_wrapper import apply_offload, is_offloaded, remove_offload
-from actplan._engine.policy import IntervalPolicy
+from actplan._engine.policy import IntervalPolicy, MarkerChecker
 from actplan._install.plan import LayerPlan, LayerSpec, Plan, format_indices, resolve_plan
 from actplan.config import ConfigError, RecomputeConfig
 from actplan.units import RecomputeIntervalMap
@@ -205,7 +205,7 @@ def _install_layer(
         check = None
         if policy is None and (interval_map := interval_map_of(module)) is not None:
             # Full recompute decides nothing by markers, but wrong ones are still an error.
-            check = IntervalPolicy(interval_map, (), layer_name=name).marker_checker
+            check = MarkerChecker(interval_map, name)
         apply_gradient_checkpointing(
             module, policy=policy, owner=layer_plan, name=name, marker_check=check, call_check=call_check
         )

@@ -13,20 +13,18 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 import torch.utils.checkpoint
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from actplan._engine.boundary import checkpoint_state
-from actplan._engine.held import is_placeholder
 from actplan._engine.policy import ROUTING_OPS, UNINITIALIZED_OPS
 from actplan._install.apply import apply, find_layers
+from actplan._torch_internals import StorageWeakRef, TorchDispatchMode, in_backward, storage_key, tree_leaves
 from actplan.config import RecomputeConfig
 from actplan.measure import StepCapture, capture_step, compare_steps
 from actplan.models import ModelBundle, train_step
@@ -53,7 +51,7 @@ class _RoutingRecorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func in ROUTING_OPS and torch._C._current_graph_task_id() == -1:
+        if func in ROUTING_OPS and not in_backward():
             self.decisions.extend(t.detach().clone() for t in tree_leaves(out) if isinstance(t, torch.Tensor))
         return out
 
@@ -96,22 +94,30 @@ class _RecomputeChecker(TorchDispatchMode):
         self.cursor: dict[str, int] = {}
         self.mismatches: list[RecomputeMismatch] = []
         self.compared = 0
+        # Storages of the placeholders replays served (told by the layers' observers).
+        self.placeholders: dict[int, StorageWeakRef] = {}
 
-    def observer(self, layer: str) -> Callable[[str], Any]:
-        @contextlib.contextmanager
-        def observe(phase: str) -> Iterator[None]:
-            previous = self.current
-            self.current = (layer, phase)
-            if phase == "forward":
-                self.forward_ops[layer] = []
-            else:
-                self.cursor[layer] = 0
-            try:
-                yield
-            finally:
-                self.current = previous
+    def observer(self, layer: str) -> _LayerWatch:
+        return _LayerWatch(self, layer)
 
-        return observe
+    @contextlib.contextmanager
+    def running(self, layer: str, phase: str) -> Iterator[None]:
+        previous = self.current
+        self.current = (layer, phase)
+        if phase == "forward":
+            self.forward_ops[layer] = []
+        else:
+            self.cursor[layer] = 0
+        try:
+            yield
+        finally:
+            self.current = previous
+
+    def is_placeholder(self, tensor: torch.Tensor) -> bool:
+        if type(tensor) is not torch.Tensor:
+            return False
+        ref = self.placeholders.get(storage_key(tensor))
+        return ref is not None and not ref.expired()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -125,7 +131,7 @@ class _RecomputeChecker(TorchDispatchMode):
         if phase == "forward":
             self.forward_ops[layer].append((func, [t.detach().clone() for t in tensors]))
             return out
-        if any(is_placeholder(t) for t in tensors):
+        if any(self.is_placeholder(t) for t in tensors):
             # The stand-in for an output nothing reads (its fill, views of it, writes into it):
             # its values are meaningless by design, so it is not compared.
             return out
@@ -278,6 +284,21 @@ def verify(
         recompute_ops_compared=checker.compared if checker else 0,
         recompute_mismatches=checker.mismatches if checker else [],
     )
+
+
+class _LayerWatch:
+    """One checkpointed layer's observer (``boundary.LayerObserver``): its runs and the
+    placeholders its replay serves go to the checker."""
+
+    def __init__(self, checker: _RecomputeChecker, layer: str) -> None:
+        self.checker, self.layer = checker, layer
+
+    def phase(self, name: str) -> contextlib.AbstractContextManager[None]:
+        return self.checker.running(self.layer, name)
+
+    def placeholder_made(self, tensor: torch.Tensor) -> None:
+        storage = tensor.untyped_storage()
+        self.checker.placeholders[storage_key(tensor)] = StorageWeakRef(storage)
 
 
 def _watch_recompute(candidate: nn.Module, atol: float) -> _RecomputeChecker:

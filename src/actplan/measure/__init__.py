@@ -4,7 +4,8 @@ saves memory, to price its overhead, and to prove it changes no gradient.
 
 This package only re-exports; the work is in ``_memory`` (with ``_tracker``), ``_fake`` (runs on
 fake tensors), ``_roofline`` (estimated time on a named accelerator), ``_counting``,
-``_timing`` and ``_parity``. It imports torch, the standard library and ``actplan._storage``.
+``_timing`` and ``_parity``. It imports torch, the standard library, ``actplan._storage`` and
+``actplan._torch_internals``.
 """
 
 from __future__ import annotations

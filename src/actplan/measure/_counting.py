@@ -1,5 +1,5 @@
 """``OpCounter``: how many times each op actually ran, counted at the dispatcher, to prove what a
-plan reruns in backward and what it serves from memory. Imports only torch.
+plan reruns in backward and what it serves from memory. Imports ``_torch_internals`` only.
 """
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from torch.utils._python_dispatch import TorchDispatchMode
+from actplan._torch_internals import TorchDispatchMode
 
 
 class OpCounter(TorchDispatchMode):

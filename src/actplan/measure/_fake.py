@@ -23,7 +23,7 @@ GPU's: the CPU flash-attention op saves the output and the log-sum-exp, as the G
 One difference remains: ``F.dropout`` with ``p > 0`` saves a mask of the input's dtype on the
 CPU, where CUDA's fused kernel saves a 1-byte one (the reference models train without dropout,
 as Llama- and Qwen-style pretraining does).
-Imports torch only.
+Imports torch and ``_torch_internals``.
 """
 
 from __future__ import annotations
@@ -36,13 +36,15 @@ from typing import Any, Literal, TypeVar
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import (
+
+from actplan._torch_internals import (
     DataDependentOutputException,
     DynamicOutputShapeException,
     FakeTensor,
     FakeTensorMode,
+    TorchDispatchMode,
 )
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from actplan._torch_internals import disable_current_modes as _disable_current_modes
 
 __all__ = ["FakeRun", "FakeValueError", "RoutingRecorder", "balanced_counts", "copy_module", "is_fake"]
 

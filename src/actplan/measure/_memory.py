@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from actplan._storage import owned_storages, storage_key
+from actplan._torch_internals import FakeTensor, FakeTensorMode, storage_key_of
 from actplan.measure._tracker import CompiledCodeTracker, StorageTracker
 
 DEFAULT_TIMELINE_CAP = 4096
@@ -275,8 +275,8 @@ class SavedTensorMeter:
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
         if not isinstance(tensor, nn.Parameter) and type(tensor) is torch.Tensor and not tensor.is_meta:
             storage = tensor.untyped_storage()
-            if storage._cdata not in self._owned:
-                self.storages[storage._cdata] = storage.nbytes()
+            if storage_key_of(storage) not in self._owned:
+                self.storages[storage_key_of(storage)] = storage.nbytes()
         return tensor
 
     @property

@@ -7,7 +7,7 @@ Per op: ``max(FLOPs / peak FLOP/s, bytes read and written / HBM bandwidth)``. FL
 the CPU flash-attention op added here), at the accelerator's peak for the op's dtype; every other
 op is charged for its bytes only. Views cost nothing. These are *estimates*: vendor peaks, no
 kernel efficiency, no launch overhead, no overlap of communication; ratios between plans (same
-shapes, same ops) hold better than absolute seconds. Imports torch only.
+shapes, same ops) hold better than absolute seconds. Imports torch, ``_storage`` and ``_torch_internals``.
 """
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ from typing import Any
 
 import torch
 from torch.utils import flop_counter
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+
+from actplan._storage import storage_key
+from actplan._torch_internals import TorchDispatchMode, tree_flatten
 
 __all__ = ["ACCELERATORS", "Accelerator", "RooflineClock", "accelerator", "op_flops"]
 
@@ -229,7 +230,7 @@ class RooflineClock(TorchDispatchMode):
 
 def _storage_id(tensor: torch.Tensor) -> int:
     try:
-        return tensor.untyped_storage()._cdata
+        return storage_key(tensor)
     except (NotImplementedError, RuntimeError):  # sparse and other storage-less layouts
         return id(tensor)
 

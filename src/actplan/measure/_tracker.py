@@ -1,6 +1,6 @@
 """The storage tracker under ``MemoryMeter``: a dispatch mode that counts the storages first
 returned inside its window and drops them again when they are freed, with a bounded timeline of
-live bytes. Imports only torch and the standard library.
+live bytes. Imports torch, the standard library and ``_torch_internals``.
 """
 
 from __future__ import annotations
@@ -12,8 +12,14 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+
+from actplan._torch_internals import (
+    FakeTensor,
+    FakeTensorMode,
+    TorchDispatchMode,
+    is_traceable_wrapper_subclass,
+    storage_key_of,
+)
 
 _FREE_LABEL = "free"
 # These ops hand back a storage created outside the dispatcher (``torch.tensor(...)`` builds its
@@ -147,7 +153,7 @@ class StorageTracker(TorchDispatchMode):
         except NotImplementedError:
             # Sparse (and other storage-less) layouts: not counted.
             return
-        key = storage._cdata
+        key = storage_key_of(storage)
         entry = self.tracked.get(key)
         if entry is not None:
             nbytes = storage.nbytes()

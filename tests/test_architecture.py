@@ -1,6 +1,6 @@
 """The layout docs/architecture.md draws, checked on the source: which layer may import which,
-that the core needs none of the optional extras, that modules stay small, and that the
-architecture page lists every module."""
+that no package's modules import each other in a circle, that the core needs none of the
+optional extras, that modules stay small, and that the architecture page lists every module."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ FOUNDATIONS = {
     "actplan.markers",
     "actplan.sizes",
     "actplan._storage",
+    "actplan._torch_internals",
     "actplan.progress",
     "actplan.devices",
     "actplan._callsite",
@@ -119,6 +120,105 @@ def test_imports_point_one_way(module):
         elif layer in CORE and imported.split(".")[0] in OPTIONAL:
             wrong.append(f"{imported} (an optional extra; the core must import without it)")
     assert not wrong, f"{module} ({layer}) may import {sorted(allowed)}, but imports: {wrong}"
+
+
+def package_of(module: str) -> str:
+    """The package ``module`` sits in; a package's ``__init__`` belongs to the package itself
+    (so a submodule that imports its package's ``__init__``, which imports it, is a circle)."""
+    return module if MODULES[module].name == "__init__.py" else module.rpartition(".")[0]
+
+
+PACKAGES = sorted({package_of(module) for module in MODULES})
+
+
+def import_graph(package: str) -> dict[str, set[str]]:
+    """Which of ``package``'s modules each of its modules imports: every import counts, under
+    ``if TYPE_CHECKING:`` and inside functions too (a circle through a lazy import is still one)."""
+    members = {module for module in MODULES if package_of(module) == package}
+    graph = {}
+    for module in sorted(members):
+        owned = {_own(imported) for imported in imports_of(MODULES[module])}
+        graph[module] = (owned & members) - {module}
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of ``graph`` with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        for imported in sorted(graph[module]):
+            if imported not in index:
+                visit(imported)
+                low[module] = min(low[module], low[imported])
+            elif imported in stack:
+                low[module] = min(low[module], index[imported])
+        if low[module] == index[module]:
+            component = []
+            while not component or component[-1] != module:
+                component.append(stack.pop())
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    return found
+
+
+def a_loop(graph: dict[str, set[str]], component: list[str]) -> list[str]:
+    """One concrete loop through ``component``'s first module (the shortest, by breadth first)."""
+    start = component[0]
+    came_from: dict[str, str] = {}
+    frontier = [start]
+    while frontier:
+        following = []
+        for module in frontier:
+            for imported in sorted(graph[module] & set(component)):
+                if imported == start:
+                    loop = [module]
+                    while loop[-1] != start:
+                        loop.append(came_from[loop[-1]])
+                    return [start, *reversed(loop[:-1]), start]
+                if imported not in came_from:
+                    came_from[imported] = module
+                    following.append(imported)
+        frontier = following
+    raise AssertionError(f"{component} is not a circle")
+
+
+def test_the_circle_finder_counts_every_import(tmp_path):
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": {"f"}, "f": {"e"}}
+    assert circles(graph) == [["a", "b", "c"], ["e", "f"]]
+    assert a_loop(graph, ["a", "b", "c"]) == ["a", "b", "c", "a"]
+    assert circles({"a": {"b"}, "b": set()}) == []
+    # Imports under TYPE_CHECKING and inside functions are edges too.
+    source = tmp_path / "lazy.py"
+    source.write_text(
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n"
+        "    from actplan.planning._records import Candidate\n"
+        "def profile():\n"
+        "    from actplan.planning import cache\n"
+    )
+    assert imports_of(source) == {"typing", "actplan.planning._records", "actplan.planning.cache"}
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_no_import_circles_inside_a_package(package):
+    graph = import_graph(package)
+    found = circles(graph)
+    described = [f"{{{', '.join(c)}}} (e.g. {' -> '.join(a_loop(graph, c))})" for c in found]
+    assert not found, (
+        f"import circles inside {package}: {'; '.join(described)}. Move the piece both sides "
+        "need into a leaf module that each imports (and that imports neither), so imports point one "
+        "way; lazy and TYPE_CHECKING imports count too"
+    )
 
 
 def test_the_engine_never_imports_config_planning_integrations_or_the_cli():

@@ -2,8 +2,9 @@
 ``explain`` and ``units``.
 
 Top of the import picture: it may use everything, nothing imports it. This module keeps only
-``main`` (the console script); the parser is ``_parser``, the tables ``_tables``, and each
-command lives in ``_bench``, ``_plan`` or ``_inspect``. rich (and matplotlib, for plots) come
+``main`` (the console script), which picks the command by name; the parser is ``_parser``
+(it imports no command), the tables ``_tables``, and each command lives in ``_bench``,
+``_estimate``, ``_plan`` or ``_inspect``. rich (and matplotlib, for plots) come
 with ``pip install 'actplan[cli]'``: ``main`` checks for rich before importing any of them.
 """
 
@@ -21,9 +22,22 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from rich.console import Console
 
+    from actplan.cli._bench import bench
+    from actplan.cli._estimate import estimate
+    from actplan.cli._inspect import explain, units, verify
     from actplan.cli._parser import build_parser, check_arguments
+    from actplan.cli._plan import plan, profile
     from actplan.config import ConfigError
 
+    commands = {
+        "bench": bench,
+        "estimate": estimate,
+        "explain": explain,
+        "profile": profile,
+        "plan": plan,
+        "verify": verify,
+        "units": units,
+    }
     args = build_parser().parse_args(argv)
     console = Console()
     if not console.is_terminal:
@@ -31,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         console = Console(width=200)
     try:
         check_arguments(args)
-        return args.run(args, console)
+        return commands[args.command](args, console)
     except (ConfigError, ValueError) as err:
         console.print(f"[red]error:[/] {err}")
         return 2

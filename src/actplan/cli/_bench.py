@@ -1,7 +1,8 @@
 """``actplan bench``: run the bench (under torchrun for expert parallelism), print its tables,
 write its JSON and markdown reports. Exit status 1 when a row's parity fails.
 
-Imports ``actplan.evaluate`` and the CLI's console and table helpers.
+Imports ``actplan.evaluate`` and the CLI's console and table helpers and its parser (for
+the defaults a rerun hint leaves out); the parser imports no command.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import sys
 from rich.console import Console
 
 from actplan.cli._console import model_options, progress_display, write_output
+from actplan.cli._parser import build_parser
 from actplan.cli._tables import bench_table, held_table
 from actplan.evaluate.bench import run_bench
 from actplan.evaluate.report import to_markdown
@@ -58,7 +60,6 @@ def _bench_expert_parallel(args: argparse.Namespace, console: Console) -> int:
 def rerun_options(args: argparse.Namespace) -> str:
     """This run's options as a command line: the model, size and ``--ep``, and every other
     option given a value other than its default (what a hint to run it again must carry)."""
-    from actplan.cli._parser import build_parser  # it imports this module
 
     defaults = vars(build_parser().parse_args(["bench"]))
     options = [model_options(args), f"--ep {args.ep}"]

@@ -1,8 +1,9 @@
 """The ``actplan`` argument parser, one function per subcommand, and the checks that run
 before any work (the device, the output paths).
 
-Imports the command modules (for each subcommand's ``run``), the config's preset names, the
-bench's row names and the model catalogue.
+Imports the config's preset names, the bench's row names and the model catalogue, not the
+command modules: ``main`` (``actplan.cli``) picks the command by name, so a command may build
+the parser (``_bench`` does, for its defaults) without an import circle.
 """
 
 from __future__ import annotations
@@ -11,10 +12,6 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from actplan.cli._bench import bench
-from actplan.cli._estimate import estimate
-from actplan.cli._inspect import explain, units, verify
-from actplan.cli._plan import plan, profile
 from actplan.config import PRESETS
 from actplan.devices import resolve_device
 from actplan.evaluate.bench import DEFAULT_POLICIES, OFFLOAD_VARIANTS
@@ -95,7 +92,6 @@ def _add_bench(sub) -> None:
     parser.add_argument("--json", metavar="PATH", help="write the full result as JSON")
     parser.add_argument("--markdown", metavar="PATH", help="write a markdown report")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
-    parser.set_defaults(run=bench)
 
 
 def _add_estimate(sub) -> None:
@@ -139,7 +135,6 @@ def _add_estimate(sub) -> None:
     parser.add_argument("--out", metavar="PATH", help="write the plan for --budget (implies --plan)")
     parser.add_argument("--json", metavar="PATH", help="write the estimate as JSON")
     parser.add_argument("--quiet", action="store_true", help="no progress lines")
-    parser.set_defaults(run=estimate)
 
 
 def _add_explain(sub) -> None:
@@ -153,7 +148,6 @@ def _add_explain(sub) -> None:
         help="also run a training step and report, per layer and kept unit, the bytes held at the "
         "end of forward against what autograd keeps for the same ops without checkpointing",
     )
-    parser.set_defaults(run=explain)
 
 
 def _add_profile_options(parser: argparse.ArgumentParser) -> None:
@@ -176,7 +170,6 @@ def _add_profile_options(parser: argparse.ArgumentParser) -> None:
 def _add_profile(sub) -> None:
     parser = sub.add_parser("profile", help="measure each layer type's keep/recompute/offload candidates")
     _add_profile_options(parser)
-    parser.set_defaults(run=profile)
 
 
 def _add_plan(sub) -> None:
@@ -195,7 +188,6 @@ def _add_plan(sub) -> None:
     parser.add_argument("--out", help="where to write the plan (YAML or JSON; default plan.yaml)")
     parser.add_argument("--plot", default="pareto.png", help="Pareto plot (PNG); '' for none")
     parser.add_argument("--no-run", action="store_true", help="solve and write only")
-    parser.set_defaults(run=plan)
 
 
 def _add_verify(sub) -> None:
@@ -215,7 +207,6 @@ def _add_verify(sub) -> None:
     )
     parser.add_argument("--json", metavar="PATH", help="write the report as JSON")
     parser.add_argument("--quiet", action="store_true", help="no progress display")
-    parser.set_defaults(run=verify)
 
 
 def _add_units(sub) -> None:
@@ -224,7 +215,6 @@ def _add_units(sub) -> None:
     parser.add_argument(
         "--size", default=DEFAULT_SIZE, help="size of a built-in model given with --model (tiny, small)"
     )
-    parser.set_defaults(run=units)
 
 
 _OUTPUT_OPTIONS = (("json", "--json"), ("markdown", "--markdown"), ("out", "--out"), ("plot", "--plot"))

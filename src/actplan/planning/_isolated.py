@@ -21,10 +21,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves, tree_map
 
 from actplan._install.apply import apply, find_layers, offload_engine
 from actplan._storage import owned_storages, storage_key
+from actplan._torch_internals import tree_leaves, tree_map
 from actplan.config import RecomputeConfig
 from actplan.markers import routing_markers
 from actplan.measure import MemoryMeter, OpCounter, RooflineClock, copy_module, interleaved_timing

@@ -5,10 +5,11 @@ profile (``cache.get_profile``), solves for the fastest plan whose predicted pea
 budget, writes it as a config file (headed by what it was made for and every layer's
 choice), runs it next to ``none`` and reports predicted against measured peak memory and
 step time. ``pareto_points`` gives memory against step time for the
-presets and the planner's plans over a sweep of budgets (``plot.write_pareto_plot`` draws it).
+presets and the planner's plans over a sweep of budgets (``plot.write_pareto_plot`` draws it;
+its point, ``ParetoPoint``, is defined in ``plot`` and re-exported here).
 
 Imports torch, ``apply``, the config, the meters, the models' step and the planning
-modules.
+modules; none of them imports this one.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from actplan.planning.planner import (
     parse_budget,
     solve,
 )
-from actplan.planning.plot import write_pareto_plot
+from actplan.planning.plot import ParetoPoint, write_pareto_plot
 from actplan.progress import ProgressCallback, ProgressTracker
 from actplan.sizes import DEFAULT_OFFLOAD_MIN_BYTES, human_bytes
 
@@ -97,14 +98,6 @@ def measure_config(
         ratio_spread=rel.spread,
         loss_identical=losses["plan"] == losses["none"],
     )
-
-
-@dataclass
-class ParetoPoint:
-    label: str
-    kind: str  # "preset" and "plan" (predicted), "measured"
-    peak_bytes: float
-    time_ratio: float
 
 
 def preset_choices(profile: ModelProfile, preset: str) -> list[int] | None:

@@ -1,13 +1,13 @@
-"""The profile cache: a profile is stored as JSON under a digest of everything it depends on,
-and ``get_profile`` reuses it or profiles afresh.
+"""The profile cache: a profile is stored as JSON under a digest of everything it depends on
+(``cache_key``, defined in the leaf ``_cache_key`` and re-exported here), and ``get_profile``
+reuses it or profiles afresh.
 
-Imports torch (shapes and dtypes for the key), the models' bundle type and the profile
-records; the profiler itself only when a profile has to be made.
+Imports torch, the models' bundle type, the profile records, the key and the profiler
+(``profile``); the profiler imports the key, not this module.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from pathlib import Path
@@ -15,38 +15,13 @@ from pathlib import Path
 import torch
 
 from actplan.models import ModelBundle
-from actplan.planning._records import PROFILE_FORMAT, ModelProfile
+from actplan.planning._cache_key import cache_key
+from actplan.planning._records import ModelProfile
+from actplan.planning.profile import profile_model
 from actplan.progress import ProgressCallback
 from actplan.sizes import DEFAULT_OFFLOAD_MIN_BYTES
 
 __all__ = ["cache_key", "default_cache_dir", "get_profile", "load_cached", "store"]
-
-
-def cache_key(
-    bundle: ModelBundle,
-    spec: str,
-    device: torch.device,
-    min_bytes: int,
-    bandwidth: float | None = None,
-    gpu: str | None = None,
-) -> str:
-    """A digest of everything a profile depends on: model spec, parameter and batch shapes and
-    dtypes, device type, torch version, offload threshold, a forced copy bandwidth (``None``:
-    measured), the accelerator whose roofline clock gave the times (``None``: timed) and this
-    file's format."""
-    batch = bundle.make_batch(0)
-    described = {
-        "spec": spec,
-        "params": [(name, list(p.shape), str(p.dtype)) for name, p in bundle.model.named_parameters()],
-        "batch": {k: (list(v.shape), str(v.dtype)) for k, v in batch.items() if isinstance(v, torch.Tensor)},
-        "device": device.type,
-        "torch": torch.__version__,
-        "min_bytes": min_bytes,
-        "format": PROFILE_FORMAT,
-        **({"bandwidth": bandwidth} if bandwidth is not None else {}),
-        **({"roofline": gpu} if gpu is not None else {}),
-    }
-    return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:20]
 
 
 def default_cache_dir() -> Path:
@@ -88,8 +63,6 @@ def get_profile(
 ) -> tuple[ModelProfile, bool]:
     """The cached profile when its key matches (model, shapes, dtype, device, torch version),
     else a fresh one, stored. Returns ``(profile, came_from_cache)``."""
-    from actplan.planning.profile import profile_model  # the profiler imports this module
-
     directory = cache_dir or default_cache_dir()
     key = cache_key(bundle, spec, device, min_bytes, bandwidth)
     if not refresh:

@@ -42,7 +42,6 @@ the package checks the ``plan`` extra on import.
 
 from __future__ import annotations
 
-import itertools
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -56,7 +55,6 @@ __all__ = [
     "Candidate",
     "PlanProblem",
     "Solution",
-    "brute_force",
     "front_table",
     "minimum_peak",
     "none_peak",
@@ -198,17 +196,6 @@ def plan_summary(names: Sequence[str]) -> str:
             parts.append(f"{span} {names[start]}")
             start = i
     return "; ".join(parts)
-
-
-def brute_force(problem: PlanProblem, budget_bytes: float) -> tuple[float, tuple[int, ...]] | None:
-    """Enumerate every choice (small problems only): the least time under the budget, or None."""
-    best: tuple[float, tuple[int, ...]] | None = None
-    for choices in itertools.product(*(range(len(c)) for c in problem.layers)):
-        if problem.peak(choices) <= budget_bytes:
-            seconds = problem.seconds(choices)
-            if best is None or seconds < best[0] - 1e-12:
-                best = (seconds, choices)
-    return best
 
 
 _PERCENT = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*%\s*$")

@@ -1,8 +1,9 @@
 """The Pareto plot: peak memory against step time for the presets, the planner's plans and
-the requested plan, as a PNG.
+the requested plan, as a PNG; ``ParetoPoint``, one point of it.
 
-Imports matplotlib (the ``cli`` extra) when a plot is drawn, and the planning package's
-extra check; the points' type only for annotations.
+Imports point one way: ``budget`` makes the points and imports this module (``ParetoPoint``
+lives here so that this module never imports ``budget``). Imports matplotlib (the ``cli``
+extra) when a plot is drawn, and of the planning package only its extra check.
 """
 
 from __future__ import annotations
@@ -10,15 +11,23 @@ from __future__ import annotations
 import contextlib
 import textwrap
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from actplan.planning._extra import require
 
-if TYPE_CHECKING:
-    from actplan.planning.budget import ParetoPoint
+__all__ = ["ParetoPoint", "pareto_axes", "write_pareto_plot"]
 
-__all__ = ["pareto_axes", "write_pareto_plot"]
+
+@dataclass
+class ParetoPoint:
+    """One point of the plot: a preset or plan (predicted) or a measured run."""
+
+    label: str
+    kind: str  # "preset" and "plan" (predicted), "measured"
+    peak_bytes: float
+    time_ratio: float
 
 
 @contextlib.contextmanager

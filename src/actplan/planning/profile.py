@@ -44,16 +44,16 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves
 
 from actplan._install.apply import apply, find_layers
+from actplan._torch_internals import tree_leaves
 from actplan.measure import MemoryMeter, RooflineClock, copy_module, interleaved_timing
 from actplan.measure._timing import median_spread, unstolen
 from actplan.models import ModelBundle, loss_of, train_step
+from actplan.planning._cache_key import cache_key
 from actplan.planning._candidates import layer_type_steps, profile_layer_type
 from actplan.planning._isolated import capture_layer_inputs, rounds_cap, steady_median, tight
 from actplan.planning._records import SETTLED_SHARE, CandidateProfile, LayerTypeProfile, ModelProfile
-from actplan.planning.cache import cache_key
 from actplan.progress import LOGGER, ProgressCallback, ProgressTracker
 from actplan.sizes import DEFAULT_OFFLOAD_MIN_BYTES
 

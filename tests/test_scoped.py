@@ -355,3 +355,36 @@ def test_a_read_the_engine_cannot_see_gives_nan_not_a_wrong_gradient():
     x = torch.randn(5, 4, requires_grad=True)
     (grad,) = torch.autograd.grad(layer(x), [x])
     assert torch.isnan(grad).all()
+
+
+class IndicesChangedInPlace(nn.Module):
+    """A router whose top-k indices are changed in place after top-k saved them for its own
+    backward: plain autograd refuses the backward (version counter)."""
+
+    recompute_intervals = RecomputeIntervalMap({"moe_router": MarkerInterval("r", "e")})
+
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Linear(8, 6)
+
+    def forward(self, x):
+        logits = self.gate(x)
+        checkpoint_record("r")
+        weights, ids = logits.topk(2, dim=-1)
+        checkpoint_record("e")
+        ids.add_(1)
+        return (weights * ids.float()).sum() + torch.tanh(logits).sum()
+
+
+@pytest.mark.parametrize("keep", [[], ["moe_router"]], ids=["router-recomputed", "router-kept"])
+def test_top_k_indices_changed_in_place_are_refused_as_autograd_refuses_them(keep):
+    layer = IndicesChangedInPlace()
+    x = torch.randn(5, 8, requires_grad=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        torch.autograd.grad(layer(x), [x])
+    imap = IndicesChangedInPlace.recompute_intervals
+    apply_gradient_checkpointing(layer, policy=IntervalPolicy(imap, imap.intervals_of(keep), layer_name="L"))
+    # Before the check, the replay handed top-k's backward the changed indices: an index error
+    # (or, with values still in range, a wrong gradient).
+    with pytest.raises(actplan.KeptTensorMutatedError, match=r"L: in-place op aten\.add_\.Tensor .* aten\.topk"):
+        torch.autograd.grad(layer(x), [x])

@@ -80,6 +80,7 @@ class HeldOutput:
     producer: Any  # the op
     routing: bool
     mutated_by: Any = None  # an in-place op seen writing into it
+    rewritten_by: Any = None  # a routing output's in-place op: the replay is served a copy
     offloaded: bool = False
 
 

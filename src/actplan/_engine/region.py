@@ -74,6 +74,19 @@ def mutation_error(
     return KeptTensorMutatedError(f"{head} Fix: {'; or '.join(fixes)}.")
 
 
+def rewrite_error(layer_name: str, func: Any, producer_op: Any) -> KeptTensorMutatedError:
+    """The error for an in-place op (``func``) that changed an output of a routing op
+    (``producer_op``) which that op's own backward reads, as top-k's backward reads its indices:
+    found after the replay, before backward reads it."""
+    return KeptTensorMutatedError(
+        f"{layer_name}: in-place op {func} changes an output of {producer_op} after autograd saved it "
+        f"for {producer_op}'s own backward (as top-k's backward reads its indices); backward would "
+        "read the changed values. Without checkpointing, autograd refuses this backward too (a "
+        "variable needed for gradient computation was modified by an inplace operation). Fix: write "
+        "that update out-of-place (e.g. `ids = ids + 1` instead of `ids += 1`), or change a clone."
+    )
+
+
 class MarkerState:
     """Marker state for one checkpointed call of one layer."""
 

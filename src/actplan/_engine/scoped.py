@@ -58,7 +58,13 @@ from actplan._engine.held import (
 from actplan._engine.interval_plan import IntervalPlan
 from actplan._engine.learnt import HeldReport, LearntLayout, LearntState
 from actplan._engine.ops import _TRAITS, always_replayed, always_saved, op_traits
-from actplan._engine.region import KeptTensorMutatedError, MarkerError, MarkerState, mutation_error
+from actplan._engine.region import (
+    KeptTensorMutatedError,
+    MarkerError,
+    MarkerState,
+    mutation_error,
+    rewrite_error,
+)
 from actplan._torch_internals import (
     TorchDispatchMode,
     TorchInternalsError,
@@ -135,6 +141,10 @@ class ScopedRegion(MarkerState):
         self.replay_entries: list[Entry] = []
         self.cursor = 0
         self.replayed = False
+        # Routing outputs written in place after they were held (their copies, by storage), and
+        # in the replay, the version at which autograd first saved each served copy.
+        self.rewritten: dict[int, HeldOutput] = {}
+        self.saved_versions: dict[int, tuple[torch.Tensor, int]] = {}
 
     def contexts(self) -> tuple[PhaseContext, PhaseContext]:
         """``torch.utils.checkpoint``'s ``context_fn`` result: (forward, replay)."""
@@ -180,6 +190,8 @@ class ScopedRegion(MarkerState):
                 return
             self.replay_entries, self.cursor = entries, 0
             self.mode = SegmentMode(self.run_replay_op)
+            if self.rewritten and self.outer_pack is not None:
+                self._watch_rewritten_saves()
             self.mode.__enter__()
 
     def _close_segment(self) -> None:
@@ -323,7 +335,7 @@ class ScopedRegion(MarkerState):
                 for held in self.held:
                     if held.storage == storage and held.mutated_by is None:
                         if held.routing:
-                            self._copy_before_write(held)
+                            self._copy_before_write(held, func)
                             continue
                         held.mutated_by = func
                         raise self._mutation(held)
@@ -332,7 +344,7 @@ class ScopedRegion(MarkerState):
                 saved = self._saved_so_far()
                 self.pinned[storage] = -1 if saved is None else saved
 
-    def _copy_before_write(self, held: HeldOutput) -> None:
+    def _copy_before_write(self, held: HeldOutput, func: Any) -> None:
         # A routing output changed in place after it is held (top-k weights normalised with
         # `/=`, as many Hugging Face routers do): the replay is served a copy taken before the
         # write and reruns the write on it, so it sees what the forward saw. Routing outputs
@@ -348,6 +360,8 @@ class ScopedRegion(MarkerState):
         held.nbytes = storage.nbytes()
         self.refs[held.storage] = self.refs.get(held.storage, 0) + 1
         self.routing_segments.add(self.segment)  # learnt: later calls watch this write too
+        held.rewritten_by = func
+        self.rewritten[held.storage] = held
 
     def _hold(self, func, out, interval: MarkerInterval | None, routing: bool) -> None:
         # Routing, collective and device-to-host outputs are held whatever reads them, and so are
@@ -533,7 +547,26 @@ class ScopedRegion(MarkerState):
             if held.offloaded:
                 held.value = held.value.materialize()
                 held.version = tensor_version(held.value)
+        if self.rewritten:
+            self.outer_pack = top_saved_tensors_hooks()  # the replay's own (recompute) hooks
         self._open_segment()
+
+    def _watch_rewritten_saves(self) -> None:
+        # The replay reruns the in-place write on a routing output's served copy. Autograd may
+        # have saved that copy for the routing op's own backward before the write (top-k's
+        # indices): note its version then, as autograd's version counter check would.
+        outer_pack, outer_unpack = self.outer_pack
+        rewritten, saved = self.rewritten, self.saved_versions
+
+        def pack(tensor: torch.Tensor) -> Any:
+            if is_dense_tensor(tensor):
+                key = storage_key_of(tensor.untyped_storage())
+                if key in rewritten and key not in saved:
+                    saved[key] = (tensor, tensor_version(tensor))
+            return outer_pack(tensor)
+
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(pack, outer_unpack)
+        self.hooks.__enter__()
 
     def run_replay_op(self, func, args, kwargs):
         entries, index = self.replay_entries, self.cursor
@@ -566,6 +599,8 @@ class ScopedRegion(MarkerState):
         self._close_segment()
         # The frame holds this region (through its replay context): no cycle past the forward.
         self.frame = self.outer_pack = None
+        saved, self.saved_versions = self.saved_versions, {}
+        changed = [key for key, (tensor, version) in saved.items() if tensor_version(tensor) != version]
         if self.phase is _REPLAY or failed:
             # Served or not, nothing is held past the replay (or past a failed forward).
             for held in self.held:
@@ -576,3 +611,6 @@ class ScopedRegion(MarkerState):
             self.refs.clear()
             self.watched.clear()
         self.phase = RegionPhase.DONE if self.phase is _REPLAY else RegionPhase.FORWARD_DONE
+        if changed:
+            held = self.rewritten[changed[0]]
+            raise rewrite_error(self.layer_name, held.rewritten_by, held.producer)

@@ -311,3 +311,85 @@ def test_compiling_an_offloading_layer_itself_fails_with_the_reason():
     with pytest.raises(Exception, match="actplan offload runs in eager mode only"):
         loss_of(model(**batch)).backward()
     torch._dynamo.reset()
+
+
+@pytest.fixture
+def data_dependent_shapes():
+    # What a MoE layer needs to compile with fullgraph=True: `.tolist()` of the token counts
+    # becomes a symbolic size, and the per-expert splits take it (no graph break).
+    from actplan._torch_internals import capture_data_dependent_shapes
+
+    with capture_data_dependent_shapes():
+        yield
+
+
+def _moe_step(model, batch, compiled: bool):
+    from actplan.measure import MemoryMeter, OpCounter, capture_step
+
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(0)
+    loss = model(**batch)["loss"]
+    loss.backward()
+    captured = capture_step(model, loss)
+    model.zero_grad(set_to_none=True)
+    with MemoryMeter(model, run_compiled=compiled) as meter:
+        torch.manual_seed(0)
+        loss = model(**batch)["loss"]
+        meter.mark("forward_end")
+        with OpCounter() as backward:
+            loss.backward()
+    return captured, meter.report().marks["forward_end"].activation_bytes, backward
+
+
+@pytest.mark.parametrize("preset", ["full", "attn", "matmuls"])
+def test_compiled_moe_layers_are_exact_never_reroute_and_save_what_the_eager_plan_keeps(
+    preset, data_dependent_shapes
+):
+    from actplan.measure import compare_steps
+
+    aten = torch.ops.aten
+    bundle = build_model("moe", "tiny", n_layers=2, dropout=0.0)
+    batch = bundle.make_batch(0)
+    baseline, _, _ = _moe_step(copy.deepcopy(bundle.model), batch, compiled=False)
+    eager = copy.deepcopy(bundle.model)
+    actplan.apply(eager, preset)
+    _, eager_bytes, eager_backward = _moe_step(eager, batch, compiled=False)
+    torch._dynamo.reset()
+    planned = copy.deepcopy(bundle.model)
+    actplan.apply(planned, preset)
+    for _, layer in find_layers(planned):
+        layer.compile(fullgraph=True, backend="aot_eager")
+    captured, compiled_bytes, compiled_backward = _moe_step(planned, batch, compiled=True)
+    report = compare_steps(baseline, captured)
+    assert report.ok and report.max_abs_grad_diff == 0.0, (preset, report.worst_param)
+    # Routing never reruns, and the kept GEMMs are not rerun either: the compiled backward runs
+    # as many matmuls as the eager plan's.
+    assert compiled_backward[aten.topk.default] == 0
+    assert compiled_backward[aten.mm.default] == eager_backward[aten.mm.default]
+    # The compiled graph saves what the eager plan holds, give or take a few small tensors
+    # (routing ids and counts the graph keeps in its own layout: under 10 KB here).
+    assert abs(compiled_bytes - eager_bytes) <= max(0.04 * eager_bytes, 16384), (eager_bytes, compiled_bytes)
+
+
+def test_compiled_hugging_face_moe_layers_are_exact(data_dependent_shapes):
+    pytest.importorskip("transformers")
+    from actplan.measure import capture_step, compare_steps
+    from actplan.models import hf as hf_models
+
+    model, make_batch = hf_models.reference_model("qwen3-moe", "tiny", layers=2)
+    model.train()
+    batch = make_batch(0)
+    baseline = copy.deepcopy(model)
+    loss = baseline(**batch).loss
+    loss.backward()
+    want = capture_step(baseline, loss)
+    for preset in ("full", "matmuls"):
+        torch._dynamo.reset()
+        planned = copy.deepcopy(model)
+        actplan.apply(planned, preset)
+        for _, layer in find_layers(planned):
+            layer.compile(fullgraph=True, backend="aot_eager")
+        loss = planned(**batch).loss
+        loss.backward()
+        report = compare_steps(want, capture_step(planned, loss))
+        assert report.ok and report.max_abs_grad_diff == 0.0, (preset, report.worst_param)

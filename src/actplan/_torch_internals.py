@@ -52,6 +52,7 @@ try:
         FakeTensor,
         FakeTensorMode,
     )
+    from torch._ops import OpOverload
     from torch.multiprocessing.reductions import StorageWeakRef
     from torch.utils._python_dispatch import (
         TorchDispatchMode,
@@ -71,9 +72,11 @@ __all__ = [
     "DynamicOutputShapeException",
     "FakeTensor",
     "FakeTensorMode",
+    "OpOverload",
     "StorageWeakRef",
     "TorchDispatchMode",
     "TorchInternalsError",
+    "capture_data_dependent_shapes",
     "checkpoint_frame",
     "detach_alias",
     "disable_current_modes",
@@ -185,6 +188,18 @@ def saved_count(frame: Any) -> int | None:
     if not frame.early_stop:
         return None
     return len(frame.weak_holders)
+
+
+# -- compile ------------------------------------------------------------------------------------
+
+
+def capture_data_dependent_shapes() -> Any:
+    """A context in which dynamo traces ``.tolist()`` / ``.item()`` of a tensor and ops with
+    data-dependent output shapes into the graph as symbolic sizes, instead of breaking it:
+    what a MoE layer's per-expert token splits need to compile with ``fullgraph=True``."""
+    import torch._dynamo
+
+    return torch._dynamo.config.patch(capture_scalar_outputs=True, capture_dynamic_output_shape_ops=True)
 
 
 # -- probes -------------------------------------------------------------------------------------

@@ -18,7 +18,16 @@ from actplan._torch_internals import PROBES, TorchInternalsError
 from actplan.models import build_model
 
 SRC = Path(actplan.__file__).parent
-PRIVATE_ATTRIBUTES = {"_cdata", "_version", "_base", "__closure__", "weak_holders"}
+PRIVATE_ATTRIBUTES = {
+    "_cdata",
+    "_version",
+    "_base",
+    "__closure__",
+    "weak_holders",
+    "_schema",
+    "_opname",
+    "_compiled_call_impl",
+}
 
 
 @pytest.fixture
@@ -57,6 +66,15 @@ def _private_torch_uses(path: Path) -> list[str]:
                     found.append(f"line {node.lineno}: {dotted}")
             elif node.attr in PRIVATE_ATTRIBUTES:
                 found.append(f"line {node.lineno}: .{node.attr}")
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in {"getattr", "hasattr", "setattr"}
+            and len(node.args) > 1
+            and isinstance(node.args[1], ast.Constant)
+            and node.args[1].value in PRIVATE_ATTRIBUTES
+        ):
+            found.append(f"line {node.lineno}: {node.func.id}(..., {node.args[1].value!r})")
     by_line: dict[str, str] = {}
     for use in found:  # ``torch._C._x`` is also seen as ``torch._C``: one entry per line
         line = use.split(":")[0]
@@ -85,9 +103,10 @@ def test_the_scan_sees_each_kind_of_private_use(tmp_path):
         "import torch\nfrom torch.utils._pytree import tree_map\nimport torch._dynamo\n"
         "n = torch._C._storage_Use_Count\nk = t.untyped_storage()._cdata\nv = t._version\n"
         "op = torch.ops.aten._to_copy.default\nversion = torch.__version__\n"
+        "schema = getattr(func, '_schema', None)\n"
     )
     uses = _private_torch_uses(sample)
-    assert len(uses) == 5, uses  # neither an aten op name nor torch.__version__ counts
+    assert len(uses) == 6, uses  # neither an aten op name nor torch.__version__ counts
 
 
 def test_every_probe_passes_on_the_installed_torch(fresh_probes):

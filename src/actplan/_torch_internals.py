@@ -82,6 +82,8 @@ __all__ = [
     "disable_current_modes",
     "in_backward",
     "is_traceable_wrapper_subclass",
+    "op_name",
+    "op_schema",
     "probe",
     "python_storage_refs",
     "saved_count",
@@ -124,6 +126,16 @@ def storage_key_of(storage: Any) -> int:
 storage_use_count: Callable[[int], int] = getattr(
     torch._C, "_storage_Use_Count", _missing("torch._C._storage_Use_Count")
 )
+
+
+def op_schema(func: Any) -> Any:
+    """An op's schema (arguments, returns, alias information), ``None`` for what has none."""
+    return getattr(func, "_schema", None)
+
+
+def op_name(func: Any) -> str:
+    """An aten op's name without namespace or overload (``"mm"`` for ``aten.mm.default``)."""
+    return getattr(func, "_opname", "")
 
 
 def tensor_version(tensor: torch.Tensor) -> int:

@@ -81,6 +81,9 @@ class HeldOutput:
     routing: bool
     mutated_by: Any = None  # an in-place op seen writing into it
     rewritten_by: Any = None  # a routing output's in-place op: the replay is served a copy
+    # Aliases that do not share its version counter (``_unsafe_view`` outputs), each with its
+    # version when made: a write through one, unwatched, still shows when the replay serves it.
+    aliases: list | None = None
     offloaded: bool = False
 
 

@@ -10,6 +10,8 @@ from typing import NamedTuple
 
 import torch
 
+from actplan._torch_internals import op_name, op_schema
+
 _COLLECTIVE_NAMESPACES = frozenset({"_c10d_functional", "c10d_functional", "_c10d_functional_autograd"})
 
 
@@ -71,6 +73,9 @@ class OpTraits(NamedTuple):
     mutated: tuple[tuple[int, str], ...]  # (position, name) of arguments written in place
     uninitialized: bool  # returns uninitialised memory (empty, empty_like, ...)
     expensive: bool  # a GEMM, convolution, attention kernel or custom kernel: never rerun when kept
+    # Aliases its input without sharing its version counter (``_unsafe_view``, which reshapes
+    # a 3D linear's 2D ``mm`` output back): a write through the alias does not show on the input.
+    unsafe_alias: bool
 
 
 # Keyed by id(): ops are process-lived singletons, and OpOverload.__hash__ runs in
@@ -82,7 +87,7 @@ def op_traits(func) -> OpTraits:
     traits = _TRAITS.get(id(func))
     if traits is not None:
         return traits
-    schema = getattr(func, "_schema", None)
+    schema = op_schema(func)
     arguments = schema.arguments if schema is not None else ()
     seeded = torch.Tag.nondeterministic_seeded in getattr(func, "tags", ())
     traits = OpTraits(
@@ -97,8 +102,9 @@ def op_traits(func) -> OpTraits:
             for position, argument in enumerate(arguments)
             if argument.alias_info is not None and argument.alias_info.is_write
         ),
-        uninitialized=getattr(func, "_opname", "") in UNINITIALIZED_OPS,
+        uninitialized=op_name(func) in UNINITIALIZED_OPS,
         expensive=_is_expensive(func),
+        unsafe_alias=func is torch.ops.aten._unsafe_view.default,
     )
     _TRAITS[id(func)] = traits
     return traits
@@ -108,7 +114,7 @@ def _is_expensive(func) -> bool:
     namespace = getattr(func, "namespace", None)
     if namespace not in ("aten", "prims", "prim"):
         return True  # custom kernels (flash-attn, triton ops, ...): assume costly
-    return getattr(func, "_opname", "") in EXPENSIVE_ATEN_OPS
+    return op_name(func) in EXPENSIVE_ATEN_OPS
 
 
 def draws_random(traits: OpTraits, args, kwargs) -> bool:

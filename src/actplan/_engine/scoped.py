@@ -296,7 +296,10 @@ class ScopedRegion(MarkerState):
             if self.refs and not traits.is_view and not traits.uninitialized:
                 self._pin_inputs(func, traits, args, kwargs)
             self.watched[self.segment].append(Entry(func))
-            return func(*args, **kwargs)
+            out = func(*args, **kwargs)
+            if traits.unsafe_alias and self.refs:
+                self._note_alias(args[0], out)
+            return out
         if self.pending:
             self._sweep_pending()
         out = func(*args, **kwargs)
@@ -344,12 +347,37 @@ class ScopedRegion(MarkerState):
                 saved = self._saved_so_far()
                 self.pinned[storage] = -1 if saved is None else saved
 
+    def _note_alias(self, source: Any, alias: torch.Tensor) -> None:
+        # ``alias`` shares the storage of a held output but not its version counter: keep an
+        # alias of it (sharing its counter) with the output, so the replay sees writes made
+        # through it where no segment is watched. Costs no memory: the storage is held anyway.
+        if not is_dense_tensor(source) or not is_dense_tensor(alias):
+            return
+        key = storage_key_of(source.untyped_storage())
+        if key not in self.refs:
+            return
+        tracked = detach_alias(alias)
+        for held in (*self.pending.get(key, ()), *self.undecided.get(key, ()), *self.held):
+            if held.storage == key and held.value is not None:
+                held.aliases = [*(held.aliases or ()), (tracked, tensor_version(tracked))]
+                self.refs[key] += 1
+
+    def _release_aliases(self, held: HeldOutput) -> None:
+        if held.aliases:
+            count = self.refs[held.storage] - len(held.aliases)
+            if count:
+                self.refs[held.storage] = count
+            else:
+                del self.refs[held.storage]
+        held.aliases = None
+
     def _copy_before_write(self, held: HeldOutput, func: Any) -> None:
         # A routing output changed in place after it is held (top-k weights normalised with
         # `/=`, as many Hugging Face routers do): the replay is served a copy taken before the
         # write and reruns the write on it, so it sees what the forward saw. Routing outputs
         # are small (tokens x k); other held outputs stay an error (see ``_mutation``).
         value = held.value.clone()
+        self._release_aliases(held)
         count = self.refs[held.storage] - 1
         if count:
             self.refs[held.storage] = count
@@ -459,6 +487,7 @@ class ScopedRegion(MarkerState):
     def _drop(self, outputs: list[HeldOutput]) -> None:
         for held in outputs:
             if held.value is not None:
+                self._release_aliases(held)
                 held.value = None
                 count = self.refs[held.storage] - 1
                 if count:
@@ -506,6 +535,7 @@ class ScopedRegion(MarkerState):
             with disable_current_modes():  # host copies are not the step's device memory
                 for held in self.held:
                     if held.interval in offloaded:
+                        held.aliases = None  # they would keep the device storage alive
                         moved = engine.offload(held.value, group)
                         if moved is not held.value:
                             held.value, held.offloaded = moved, True
@@ -589,10 +619,13 @@ class ScopedRegion(MarkerState):
         value = leaf.value
         if value is None:
             return make_placeholder(leaf.meta, self.observer)
-        if not leaf.offloaded and tensor_version(value) != leaf.version:
+        if not leaf.offloaded and (
+            tensor_version(value) != leaf.version
+            or (leaf.aliases and any(tensor_version(a) != v for a, v in leaf.aliases))
+        ):
             kept = None if leaf.interval is None else self.plan.describe(leaf.interval)
             raise mutation_error(self.layer_name, None, leaf.producer, kept, leaf.routing)
-        leaf.value = None  # handed to backward once
+        leaf.value = leaf.aliases = None  # handed to backward once
         return value
 
     def end_phase(self, failed: bool) -> None:
@@ -604,7 +637,7 @@ class ScopedRegion(MarkerState):
         if self.phase is _REPLAY or failed:
             # Served or not, nothing is held past the replay (or past a failed forward).
             for held in self.held:
-                held.value = None
+                held.value = held.aliases = None
             self.held.clear()
             self.pending.clear()
             self.undecided.clear()

@@ -24,7 +24,14 @@ from torch import nn
 from actplan._engine.boundary import checkpoint_state
 from actplan._engine.policy import ROUTING_OPS, UNINITIALIZED_OPS
 from actplan._install.apply import apply, find_layers
-from actplan._torch_internals import StorageWeakRef, TorchDispatchMode, in_backward, storage_key, tree_leaves
+from actplan._torch_internals import (
+    StorageWeakRef,
+    TorchDispatchMode,
+    in_backward,
+    op_name,
+    storage_key,
+    tree_leaves,
+)
 from actplan.config import RecomputeConfig
 from actplan.measure import StepCapture, capture_step, compare_steps
 from actplan.models import ModelBundle, train_step
@@ -123,7 +130,7 @@ class _RecomputeChecker(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if self.current is None or func in _UNMATCHED_OPS:
             return out
-        if getattr(func, "_opname", "") in UNINITIALIZED_OPS:
+        if op_name(func) in UNINITIALIZED_OPS:
             # Uninitialised memory differs between runs; the ops that fill it are compared.
             return out
         layer, phase = self.current

@@ -20,7 +20,7 @@ import torch
 from torch.utils import flop_counter
 
 from actplan._storage import storage_key
-from actplan._torch_internals import TorchDispatchMode, tree_flatten
+from actplan._torch_internals import TorchDispatchMode, op_schema, tree_flatten
 
 __all__ = ["ACCELERATORS", "Accelerator", "RooflineClock", "accelerator", "op_flops"]
 
@@ -199,7 +199,7 @@ class RooflineClock(TorchDispatchMode):
         out = func(*args, **kwargs)
         in_leaves = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         out_leaves = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-        schema = getattr(func, "_schema", None)
+        schema = op_schema(func)
         writes = schema is not None and any(
             a.alias_info is not None and a.alias_info.is_write for a in schema.arguments
         )

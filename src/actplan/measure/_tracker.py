@@ -18,6 +18,7 @@ from actplan._torch_internals import (
     FakeTensorMode,
     TorchDispatchMode,
     is_traceable_wrapper_subclass,
+    op_schema,
     storage_key_of,
 )
 
@@ -119,7 +120,8 @@ class StorageTracker(TorchDispatchMode):
         info = self._op_info.get(func)
         if info is None:
             # Higher-order operators (compiled graphs' RNG wrappers) have no schema: fresh outputs.
-            returns = func._schema.returns if hasattr(func, "_schema") else ()
+            schema = op_schema(func)
+            returns = schema.returns if schema is not None else ()
             returns_alias = any(ret.alias_info is not None for ret in returns)
             info = (returns_alias and func not in _FRESH_DESPITE_ALIAS, str(func))
             self._op_info[func] = info

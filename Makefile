@@ -3,6 +3,8 @@
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
+# torchtitan without its trainer's requirements; the `torchtitan` extra has what its models need.
+TORCHTITAN_SPEC ?= torchtitan==0.3.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.actplan-installed
 
@@ -10,10 +12,11 @@ STAMP := $(VENV)/.actplan-installed
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet $(TORCH_SPEC)
 	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet --no-deps $(TORCHTITAN_SPEC)
 	touch $(STAMP)
 
 demo: $(STAMP)

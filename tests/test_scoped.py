@@ -386,5 +386,6 @@ def test_top_k_indices_changed_in_place_are_refused_as_autograd_refuses_them(kee
     apply_gradient_checkpointing(layer, policy=IntervalPolicy(imap, imap.intervals_of(keep), layer_name="L"))
     # Before the check, the replay handed top-k's backward the changed indices: an index error
     # (or, with values still in range, a wrong gradient).
-    with pytest.raises(actplan.KeptTensorMutatedError, match=r"L: in-place op aten\.add_\.Tensor .* aten\.topk"):
+    refused = r"L: in-place op aten\.add_\.Tensor .* aten\.topk"
+    with pytest.raises(actplan.KeptTensorMutatedError, match=refused):
         torch.autograd.grad(layer(x), [x])

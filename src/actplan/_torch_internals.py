@@ -46,13 +46,13 @@ def _changed(what: str, detail: str) -> TorchInternalsError:
 
 
 try:
+    from torch._ops import OpOverload
     from torch._subclasses.fake_tensor import (
         DataDependentOutputException,
         DynamicOutputShapeException,
         FakeTensor,
         FakeTensorMode,
     )
-    from torch._ops import OpOverload
     from torch.multiprocessing.reductions import StorageWeakRef
     from torch.utils._python_dispatch import (
         TorchDispatchMode,
@@ -81,6 +81,7 @@ __all__ = [
     "detach_alias",
     "disable_current_modes",
     "in_backward",
+    "is_compiled_module",
     "is_traceable_wrapper_subclass",
     "op_name",
     "op_schema",
@@ -136,6 +137,11 @@ def op_schema(func: Any) -> Any:
 def op_name(func: Any) -> str:
     """An aten op's name without namespace or overload (``"mm"`` for ``aten.mm.default``)."""
     return getattr(func, "_opname", "")
+
+
+def is_compiled_module(module: torch.nn.Module) -> bool:
+    """Whether ``module.compile()`` was called on ``module`` (its calls go to a compiled forward)."""
+    return getattr(module, "_compiled_call_impl", None) is not None
 
 
 def tensor_version(tensor: torch.Tensor) -> int:

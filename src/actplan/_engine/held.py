@@ -15,7 +15,7 @@ from typing import Any, Protocol
 import torch
 
 from actplan._engine.ops import IGNORED_OPS
-from actplan._torch_internals import FakeTensor, TorchDispatchMode, tensor_base
+from actplan._torch_internals import FakeTensor, TorchDispatchMode, is_traceable_wrapper_subclass, tensor_base
 from actplan.units import MarkerInterval
 
 
@@ -106,6 +106,18 @@ def make_placeholder(meta: tuple, observer: Any = None) -> torch.Tensor:
     if observer is not None:
         observer.placeholder_made(out)
     return out.fill_(float("nan"))
+
+
+def inner_tensors(tensor: torch.Tensor):
+    """The plain tensors inside a traceable wrapper subclass (a DTensor's local shard), found
+    through its ``__tensor_flatten__``, recursively: what autograd really keeps when it saves
+    the subclass."""
+    if is_dense_tensor(tensor):
+        yield tensor
+    elif is_traceable_wrapper_subclass(tensor):
+        names, _ = tensor.__tensor_flatten__()
+        for name in names:
+            yield from inner_tensors(getattr(tensor, name))
 
 
 def tensor_args(args: tuple, kwargs: dict):

@@ -50,6 +50,7 @@ from actplan._engine.held import (
     PhaseContext,
     RegionPhase,
     SegmentMode,
+    inner_tensors,
     is_dense_tensor,
     is_parameter,
     make_placeholder,
@@ -173,11 +174,12 @@ class ScopedRegion(MarkerState):
                     saved_in = self.saved_in.setdefault(self.current_kept, {})
 
                 def pack(tensor: torch.Tensor) -> Any:
-                    if is_dense_tensor(tensor):
-                        storage = tensor.untyped_storage()
+                    # A subclass (a DTensor around a held output) saves its inner tensors.
+                    for inner in (tensor,) if is_dense_tensor(tensor) else inner_tensors(tensor):
+                        storage = inner.untyped_storage()
                         key = storage_key_of(storage)
                         packed.add(key)
-                        if saved_in is not None and not is_parameter(tensor):
+                        if saved_in is not None and not is_parameter(inner):
                             saved_in[key] = storage.nbytes()
                     return outer_pack(tensor)
 

@@ -1,8 +1,11 @@
-"""Compose actplan with FSDP2 and ``torch.compile``: ``parallelize(model, mesh, config)``.
+"""Compose actplan with tensor parallelism, FSDP2 and ``torch.compile``:
+``parallelize(model, mesh, config)``.
 
 The one place where the whole model transformation order is written out, top to
-bottom, as torchtitan's ``parallelize`` functions do. It sits above ``apply``
-(checkpoint wrappers) and beside the CLI; nothing in the engine imports it.
+bottom, as torchtitan's ``parallelize`` functions do: tensor/sequence parallelism, the
+checkpoint wrapper, compile, ``fully_shard``. It sits above ``apply`` (checkpoint wrappers)
+and beside the CLI; nothing in the engine imports it. ``tensor_parallelize`` is the first
+step alone, for code that writes the others itself.
 """
 
 from __future__ import annotations
@@ -16,11 +19,21 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
-from actplan._install.apply import apply, find_layers
+from actplan import integrations
+from actplan._install.apply import _with_saved_layouts, apply, find_layers, plan_for
 from actplan._install.plan import Plan
+from actplan._install.tensor_parallel import (
+    TPPlanArg,
+    apply_tp_plan,
+    reject_tensor_parallel,
+    resolve_tp_plan,
+    tensor_parallel_plan,
+    tensor_parallelize,
+)
+from actplan._torch_internals import is_compiled_module
 from actplan.config import ConfigError, RecomputeConfig
 
-__all__ = ["parallelize"]
+__all__ = ["parallelize", "tensor_parallel_plan", "tensor_parallelize"]
 
 
 def parallelize(
@@ -28,20 +41,31 @@ def parallelize(
     mesh: DeviceMesh,
     config: RecomputeConfig | dict[str, Any] | str | Path,
     *,
+    tp_plan: TPPlanArg = "auto",
+    sequence_parallel: bool | None = None,
     compile: bool | Mapping[str, Any] = False,
     reshard_after_forward: bool = True,
 ) -> Plan:
-    """Checkpoint, optionally compile, and FSDP2-shard ``model``; returns the installed plan.
+    """Tensor-parallelise, checkpoint, optionally compile, and FSDP2-shard ``model``; returns
+    the installed plan.
 
-    Per checkpointable layer (each module whose class declares
-    ``recompute_intervals``, as ``actplan.find_layers`` finds them), in this order:
+    ``mesh`` says which parallelism runs over which ranks: a 1-D mesh is FSDP over all of
+    them (as before); a 2-D mesh with dimensions ``("dp", "tp")``
+    (``init_device_mesh("cuda", (dp, tp), mesh_dim_names=("dp", "tp"))``) is tensor
+    parallelism inside each group of ``tp`` neighbouring ranks and FSDP over ``dp``; a 1-D
+    mesh named ``("tp",)`` is tensor parallelism alone.
 
-    1. the actplan checkpoint wrapper the plan asks for (``actplan.apply``;
-       layers whose plan is ``none`` stay unwrapped);
-    2. ``layer.compile(fullgraph=True)`` when ``compile`` is set;
-    3. ``fully_shard(layer, mesh=mesh, reshard_after_forward=...)``;
+    In this order, as torchtitan composes them:
 
-    then ``fully_shard(model, mesh=mesh)`` on the root, last, so the root's group
+    1. tensor (and sequence) parallelism over ``mesh["tp"]`` (``tensor_parallelize``):
+       DTensor weights and the module hooks that move activations between layouts;
+    2. per checkpointable layer (each module whose class declares ``recompute_intervals``,
+       as ``actplan.find_layers`` finds them), the actplan checkpoint wrapper the plan asks
+       for (``actplan.apply``; layers whose plan is ``none`` stay unwrapped);
+    3. ``layer.compile(fullgraph=True)`` when ``compile`` is set;
+    4. ``fully_shard(layer, mesh=mesh["dp"], reshard_after_forward=...)``;
+
+    then ``fully_shard(model, mesh=mesh["dp"])`` on the root, last, so the root's group
     holds whatever no layer owns (embeddings, final norm, head); FSDP keeps the
     root's parameters unsharded after forward, since backward starts with them.
 
@@ -50,8 +74,10 @@ def parallelize(
     replay in backward calls the layer's class ``forward`` directly, never the
     module, so recompute never re-fires FSDP's pre-forward unshard (nor any other
     hook on the layer): backward issues the same all-gathers as without
-    checkpointing. Compiling before
-    sharding lets dynamo see the checkpointed forward as one graph while FSDP's
+    checkpointing. Tensor parallelism's hooks sit on the layer's submodules, inside the
+    checkpointed forward: its all-gathers and reduce-scatters are collectives like any
+    other, held by a kept interval and by every selective plan, never replayed. Compiling
+    before sharding lets dynamo see the checkpointed forward as one graph while FSDP's
     hooks stay outside it.
 
     Expert parallelism: a model built with an expert-parallel group (for example
@@ -60,20 +86,34 @@ def parallelize(
     left out of FSDP (no other rank holds them to shard or average with: the
     expert-parallel group must span every rank for now), and their gradients,
     which the all-to-all backward sums over all ranks' tokens, are divided by the
-    world size so they match FSDP's averaged ones. They are not put in FSDP
-    groups of their own either: such a group's unshard would run inside the
+    world size so they match FSDP's averaged ones (under tensor parallelism each rank of a
+    tensor-parallel group sends the same tokens, so the sum counts them ``tp`` times and the
+    division by the world size still gives the data-parallel average). They are not put in
+    FSDP groups of their own either: such a group's unshard would run inside the
     checkpointed layer, where the replay would meet it. Expert-parallel layers
     cannot be compiled yet (their per-expert splits are data-dependent).
 
     Args:
         model: the model, unsharded, with its parameters already on the mesh's
             device type. Changed in place.
-        mesh: a 1-D ``DeviceMesh`` (``init_device_mesh("cuda", (world_size,))``)
-            over which every group is fully sharded. HSDP (2-D) is not supported
-            yet.
+        mesh: a 1-D ``DeviceMesh`` (FSDP over every rank; ``("tp",)``-named: tensor
+            parallelism alone) or a 2-D one named ``("dp", "tp")``. HSDP is not supported yet.
         config: a ``RecomputeConfig``, a dict, a preset name or a YAML/JSON
             path, as ``actplan.apply`` takes it. A bad config raises
             ``ConfigError`` before the model is touched.
+        tp_plan: with a ``"tp"`` mesh dimension, how to split the model: ``"auto"`` (the
+            default) takes the model's own ``tensor_parallel_plan`` (the reference models)
+            or the built-in plan for Llama-style Hugging Face decoders
+            (``tensor_parallel_plan``); a mapping of module names (``*`` matches one name
+            part, as ``parallelize_module`` takes them) to a ``ParallelStyle`` or a sequence
+            of them, applied in order; ``None`` when the model is already tensor-parallel
+            (you applied the styles yourself, before this call). Ignored without a ``"tp"``
+            dimension, where only ``"auto"`` is accepted.
+        sequence_parallel: for ``tp_plan="auto"``: keep the residual stream split along the
+            sequence between layers (norms on sequence shards, all-gather before the colwise
+            projections, reduce-scatter after the rowwise ones). ``None``: the model's
+            default (on for the dense reference model and Hugging Face decoders, off for
+            the MoE reference model, which does not support it).
         compile: ``True`` to compile each checkpointable layer with
             ``torch.compile(fullgraph=True)``; a mapping of further
             ``torch.compile`` keyword arguments (``{"backend": "aot_eager"}``)
@@ -86,32 +126,41 @@ def parallelize(
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module`` or ``mesh`` not a ``DeviceMesh``.
-        ValueError: ``mesh`` is not 1-D, ``compile`` sets ``fullgraph=False``,
-            the model (or part of it) is already sharded by ``fully_shard``, or
-            a layer is already compiled.
+        ValueError: ``mesh`` is neither 1-D nor 2-D ``("dp", "tp")``, ``compile`` sets
+            ``fullgraph=False``, the model (or part of it) is already sharded by
+            ``fully_shard``, a layer is already compiled, the model is already
+            tensor-parallel while ``tp_plan`` asks to split it, or the tensor-parallel plan
+            does not fit the model (no plan for it, sizes that do not divide).
         ConfigError: the config is malformed or does not fit the model, or it
             offloads while ``compile`` is set (offload is eager-only).
     """
     compile_options = _compile_options(compile)
     if compile_options is not None:
         _reject_compiled_offload(config)
-    _check_inputs(model, mesh)
+    dp_mesh, tp_mesh = _check_inputs(model, mesh, tp_plan, sequence_parallel)
     expert_params = _expert_parallel_params(model, mesh, compile_options is not None)
-
-    # apply resolves the config before touching the model: a bad one changes nothing.
+    styles = None
+    if tp_mesh is not None and tp_plan is not None:
+        styles = resolve_tp_plan(model, tp_mesh, tp_plan, sequence_parallel)
+    if styles is not None:
+        # A bad config raises here, before tensor parallelism changes the model.
+        plan_for(model, config, _with_saved_layouts(model, integrations.recognising(model), None))
+        apply_tp_plan(model, tp_mesh, styles)
     plan = apply(model, config)
     for _, layer in find_layers(model):
         if compile_options is not None:
             layer.compile(**compile_options)
-        if layer is not model:  # a model that is itself one layer is sharded once, as the root
+        if dp_mesh is not None and layer is not model:
+            # a model that is itself one layer is sharded once, as the root
             fully_shard(
                 layer,
-                mesh=mesh,
+                mesh=dp_mesh,
                 reshard_after_forward=reshard_after_forward,
                 ignored_params={p for p in layer.parameters() if p in expert_params} or None,
             )
-    # The root keeps FSDP's default: not resharded after forward, as backward starts with its head.
-    fully_shard(model, mesh=mesh, ignored_params=expert_params or None)
+    if dp_mesh is not None:
+        # The root keeps FSDP's default: not resharded after forward, as backward starts with its head.
+        fully_shard(model, mesh=dp_mesh, ignored_params=expert_params or None)
     world = mesh.size()
     for param in expert_params:
         # The all-to-all backward summed every rank's tokens into it; FSDP averages the rest.
@@ -173,7 +222,10 @@ def _compile_options(compile: bool | Mapping[str, Any]) -> dict[str, Any] | None
     return {**compile, "fullgraph": True}
 
 
-def _check_inputs(model: nn.Module, mesh: DeviceMesh) -> None:
+def _check_inputs(
+    model: nn.Module, mesh: DeviceMesh, tp_plan: Any, sequence_parallel: bool | None
+) -> tuple[DeviceMesh | None, DeviceMesh | None]:
+    """The FSDP mesh and the tensor-parallel mesh (either may be None), after the checks."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"parallelize expects an nn.Module, got {type(model).__name__}")
     if not isinstance(mesh, DeviceMesh):
@@ -181,11 +233,24 @@ def _check_inputs(model: nn.Module, mesh: DeviceMesh) -> None:
             f"mesh must be a torch.distributed DeviceMesh, got {type(mesh).__name__}; build one with "
             "torch.distributed.device_mesh.init_device_mesh(device_type, (world_size,))"
         )
-    if mesh.ndim != 1:
+    names = mesh.mesh_dim_names
+    if mesh.ndim == 2 and names == ("dp", "tp"):
+        dp_mesh, tp_mesh = mesh["dp"], mesh["tp"]
+    elif mesh.ndim == 1 and names == ("tp",):
+        dp_mesh, tp_mesh = None, mesh
+    elif mesh.ndim == 1:
+        dp_mesh, tp_mesh = mesh, None
+    else:
         raise ValueError(
-            f"parallelize supports a 1-D mesh (plain FSDP) for now, got a {mesh.ndim}-D mesh with "
-            f"dimensions {mesh.mesh_dim_names or tuple(mesh.shape)}; pass the data-parallel "
-            "sub-mesh, e.g. mesh['dp']"
+            f"parallelize supports a 1-D mesh (plain FSDP, or tensor parallelism when named ('tp',)) or a "
+            f"2-D mesh named ('dp', 'tp'), got a {mesh.ndim}-D mesh with dimensions "
+            f"{names or tuple(mesh.shape)}; HSDP is not supported yet: pass the data-parallel sub-mesh, "
+            "e.g. mesh['dp'], or build init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', 'tp'))"
+        )
+    if tp_mesh is None and (tp_plan != "auto" or sequence_parallel is not None):
+        raise ValueError(
+            "tp_plan and sequence_parallel need a tensor-parallel mesh dimension: pass a mesh named "
+            "('tp',) or ('dp', 'tp')"
         )
     sharded = [name or "<root>" for name, module in model.named_modules() if isinstance(module, FSDPModule)]
     if sharded:
@@ -194,9 +259,12 @@ def _check_inputs(model: nn.Module, mesh: DeviceMesh) -> None:
             f"{', ...' if len(sharded) > 3 else ''}); call parallelize on the unsharded model: "
             "it applies checkpointing before fully_shard so FSDP's hooks stay outside the replay"
         )
-    compiled = [name for name, m in find_layers(model) if getattr(m, "_compiled_call_impl", None) is not None]
+    compiled = [name for name, m in find_layers(model) if is_compiled_module(m)]
     if compiled:
         raise ValueError(
             f"layer {compiled[0]} is already compiled; pass compile=True to parallelize instead, so "
             "the checkpoint wrapper is installed before compilation"
         )
+    if tp_mesh is not None and tp_plan is not None:
+        reject_tensor_parallel(model)
+    return dp_mesh, tp_mesh

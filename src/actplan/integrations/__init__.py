@@ -6,7 +6,9 @@ whatever makes those layers emit markers. Integrations register themselves throu
 ``actplan.integrations`` entry-point group (a third-party package declares one in its
 ``pyproject.toml``), or ``register`` adds one at run time. The ones shipped here are loaded
 by name on first use, only then importing their modules: Hugging Face ``transformers``
-(``actplan.integrations.hf``).
+(``actplan.integrations.hf``), torchtitan (``actplan.integrations.torchtitan``; torchtitan
+itself is never imported by it) and plain PyTorch decoders with conventionally named blocks
+(``actplan.integrations.blocks``).
 
 Imports only ``actplan.units``; integrations import the config errors and markers they need.
 """
@@ -71,7 +73,11 @@ class LayerSource(Protocol):
 
 
 # Shipped integrations: module:attribute of their LayerSource, imported on first use.
-_SHIPPED = ("actplan.integrations.hf:SOURCE",)
+_SHIPPED = (
+    "actplan.integrations.hf:SOURCE",
+    "actplan.integrations.torchtitan:SOURCE",
+    "actplan.integrations.blocks:SOURCE",
+)
 _registered: list[LayerSource] = []
 _loaded = False
 

@@ -7,9 +7,14 @@ projection (``o_proj``, ``c_proj``, ``dense``, ``out_proj``), MLP projections (`
 ``up_proj``, ``gate_up_proj``, ``fc1``, ``c_fc`` / ``down_proj``, ``fc2``, ``c_proj``), an
 ``experts`` module with a router (``gate``, ``router``) and shared experts beside it, and
 norms named for where they sit (``input_layernorm``, ``pre_feedforward_layernorm``,
-``post_attention_layernorm``, ``ln_1``). A name is read in the context of where it sits
-(``c_proj`` is the attention output under the attention module and the MLP down projection
-elsewhere), never by the layer's class, so families not seen before derive the same way.
+``post_attention_layernorm``, ``ln_1``). Other PyTorch decoders use the same words:
+torchtitan's blocks (``attention.qkv_linear.wqkv``, ``attention.wo``, MLA's ``wq_a`` /
+``wkv_b``, ``attention.rope``, ``feed_forward.w1``, ``moe.router``, ``moe.routed_experts``
+around ``inner_experts``, ``attention_norm``, ``ffn_norm``) and nanoGPT's (``attn.c_attn``,
+``mlp.c_fc``, ``ln_1``), which ``blocks`` derives with this module. A name is read in the
+context of where it sits (``c_proj`` is the attention output under the attention module
+and the MLP down projection elsewhere), never by the layer's class, so families not seen
+before derive the same way.
 
 ``derive_layout(layer)`` returns the layout (unit -> spans) and, when it is unsure, what
 it found and what is missing. The engine's exactness never depends on the layout (a
@@ -38,6 +43,7 @@ ATTENTION_INPUTS = frozenset({
     "q_proj", "k_proj", "v_proj", "qkv_proj", "kv_proj", "c_attn", "query_key_value", "wqkv",
     "query", "key", "value", "qkv", "in_proj", "wq", "wk", "wv", "q_lin", "k_lin", "v_lin",
     "q_a_proj", "q_b_proj", "kv_a_proj", "kv_a_proj_with_mqa", "kv_b_proj",
+    "wq_a", "wq_b", "wkv_a", "wkv_b",
 })  # fmt: skip
 ATTENTION_OUTPUTS = frozenset({"o_proj", "c_proj", "dense", "out_proj", "wo", "o", "proj", "out_lin"})
 MLP_UP = frozenset({
@@ -46,9 +52,10 @@ MLP_UP = frozenset({
 })  # fmt: skip
 MLP_DOWN = frozenset({"down_proj", "fc2", "c_proj", "w2", "fc_out", "dense_4h_to_h", "wo", "lin2"})
 MLP_ACT = frozenset({"act_fn", "act", "activation_fn", "activation", "gelu_impl", "gelu", "act_layer"})
-EXPERTS = frozenset({"experts"})
+EXPERTS = frozenset({"experts", "routed_experts"})
 ROUTERS = frozenset({"gate", "router", "gate_network", "switch", "wg"})
 SHARED_EXPERTS = frozenset({"shared_expert", "shared_experts", "shared_mlp", "shared_expert_gate"})
+ROPE = frozenset({"rope"})
 
 _ATTENTION_WORDS = frozenset({"attn", "attention", "self", "sa"})
 _MLP_WORDS = frozenset({"mlp", "ffn", "feedforward", "feed", "ff", "moe"})
@@ -115,8 +122,14 @@ class _Found:
     inputs: list[str] = field(default_factory=list)
     output: str | None = None
     qk_norms: list[str] = field(default_factory=list)
+    rope: list[str] = field(default_factory=list)
     moe: str | None = None
+    experts_module: str | None = None
     experts: list[str] = field(default_factory=list)
+    # An experts module that wraps one inner experts module (torchtitan's ``routed_experts``
+    # around ``inner_experts``): the token dispatch before it and the combine after it.
+    dispatch: list[Span] = field(default_factory=list)
+    combine: list[Span] = field(default_factory=list)
     routers: list[str] = field(default_factory=list)
     shared: list[str] = field(default_factory=list)
     mlp_up: list[str] = field(default_factory=list)
@@ -140,21 +153,28 @@ def _find_attention(modules: dict[str, nn.Module], found: _Found) -> None:
             "cross-attention or several attentions per layer"
         )
         return
-    attention = parents[0]
-    outputs = [
-        p for p in modules if _parent(p) == attention and _leaf(p) in ATTENTION_OUTPUTS and p not in inputs
-    ]  # fmt: skip
+    # The attention is the nearest module, from the projections' parent up, with an output
+    # projection as a direct child (torchtitan keeps q, k, v in ``attention.qkv_linear``).
+    attention, outputs = parents[0], []
+    while True:
+        outputs = [p for p in modules if p and _parent(p) == attention and _leaf(p) in ATTENTION_OUTPUTS
+                   and p not in inputs]  # fmt: skip
+        if outputs or not attention:
+            break
+        attention = _parent(attention)
     if len(outputs) != 1:
         what = ", ".join(outputs) if outputs else "none"
         found.reasons.append(
-            f"attention {attention or '<layer>'} needs exactly one output projection named one of "
-            f"{', '.join(sorted(ATTENTION_OUTPUTS))} beside its input projections (found: {what})"
+            f"attention {parents[0] or '<layer>'} needs exactly one output projection named one of "
+            f"{', '.join(sorted(ATTENTION_OUTPUTS))} beside its input projections or above them "
+            f"(found: {what})"
         )
         return
     found.attention, found.inputs, found.output = attention, inputs, outputs[0]
     if attention:
         found.qk_norms = [p for p, m in modules.items() if _under(p, attention) and p != attention
                           and is_norm(p, m) and not _children(m)]  # fmt: skip
+        found.rope = [p for p in modules if _parent(p) == attention and _leaf(p) in ROPE]
 
 
 def _find_moe(modules: dict[str, nn.Module], found: _Found) -> None:
@@ -170,12 +190,17 @@ def _find_moe(modules: dict[str, nn.Module], found: _Found) -> None:
     (path,) = experts
     moe = _parent(path)
     container = modules[path]
+    inner = [f"{path}.{name}" for name, _ in container.named_children() if name.lower().endswith("experts")]
     # Experts held as a ModuleList are called one by one: each expert is a span.
     if isinstance(container, (nn.ModuleList, nn.ModuleDict)):
         found.experts = [f"{path}.{name}" for name, _ in container.named_children()]
+    elif len(inner) == 1:
+        found.experts = inner
+        found.dispatch = [(f"{path}:enter", f"{inner[0]}:enter")]
+        found.combine = [(f"{inner[0]}:exit", f"{path}:exit")]
     else:
         found.experts = [path]
-    found.moe = moe
+    found.moe, found.experts_module = moe, path
     siblings = [p for p in modules if p and _parent(p) == moe]
     found.routers = [p for p in siblings if _leaf(p) in ROUTERS]
     found.shared = [p for p in siblings if _leaf(p) in SHARED_EXPERTS]
@@ -190,7 +215,7 @@ def _find_mlp(modules: dict[str, nn.Module], found: _Found) -> None:
     def outside(path: str) -> bool:
         if found.attention is not None and _under(path, found.attention):
             return False
-        taken = [*found.experts, *found.shared, *found.routers]
+        taken = [*found.experts, *found.shared, *found.routers, *filter(None, [found.experts_module])]
         return not any(_under(path, other) for other in taken)
 
     candidates = {p: m for p, m in modules.items() if p and outside(p)}
@@ -261,6 +286,8 @@ def derive_layout(layer: nn.Module) -> Derivation:
         units[RecomputeUnit.QKV_PROJ] = found.inputs
         if found.qk_norms:
             units[RecomputeUnit.QK_NORM] = found.qk_norms
+        if found.rope:
+            units[RecomputeUnit.ROPE] = found.rope
         # RoPE, the attention kernel and the reshapes around them have no module: the span
         # runs from the last input projection's exit to the output projection's entry.
         units[RecomputeUnit.ATTN_CORE] = [(f"{found.attention}:{PROJECTED}", f"{found.output}:enter")]
@@ -277,7 +304,11 @@ def derive_layout(layer: nn.Module) -> Derivation:
     if found.experts:
         if found.routers:
             units[RecomputeUnit.MOE_ROUTER] = found.routers
+        if found.dispatch:
+            units[RecomputeUnit.MOE_DISPATCH] = found.dispatch
         units[RecomputeUnit.MOE_EXPERTS] = found.experts
+        if found.combine:
+            units[RecomputeUnit.MOE_COMBINE] = found.combine
         if found.shared:
             units[RecomputeUnit.SHARED_EXPERTS] = found.shared
     if norms.get("post_mlp"):

@@ -2,9 +2,10 @@
 
 RMSNorm, QK-norm, rotary embeddings, grouped-query attention through SDPA (or
 DeepSeek's multi-head latent attention, ``MLAttention``, when ``kv_lora_rank`` is
-set) and a SwiGLU MLP, in one short file. Decoder layers return a TypedDict. The only
-actplan import is the marker and the vocabulary: the model knows its units, the
-engine never imports the model.
+set) and a SwiGLU MLP. The attention blocks, the norm and RoPE live in
+``actplan.models.attention`` and are re-exported here. Decoder layers return a TypedDict.
+Besides those blocks, the only actplan imports are the marker and the vocabulary: the
+model knows its units, the engine never imports the model.
 
 Ops inside each unit are written out-of-place (dropout included): an in-place
 update of a tensor a kept unit holds for backward would change what backward reads.
@@ -19,8 +20,22 @@ from typing import ClassVar, TypedDict, TypeVar
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
 from actplan.markers import checkpoint_record
+from actplan.models.attention import (
+    Attention,
+    MLAttention,
+    RMSNorm,
+    TPPlan,
+    dropout,
+    gathered_norm,
+    prefixed,
+    rope_frequencies,
+    sequence_layout,
+)
+from actplan.models.attention import apply_rope as apply_rope
 from actplan.units import MarkerInterval, RecomputeIntervalMap
 
 ConfigT = TypeVar("ConfigT")
@@ -114,180 +129,6 @@ class DecoderLayerOutput(TypedDict):
     hidden_states: torch.Tensor
 
 
-def dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
-    """Out-of-place dropout (one op); ``F.dropout`` on CPU mutates a mask in place."""
-    if not training or p == 0.0:
-        return x
-    return torch.native_dropout(x, p, True)[0]
-
-
-class RMSNorm(nn.Module):
-    """RMSNorm whose only full-size intermediates are the two that backward needs.
-
-    ``x.pow(2).mean()`` would allocate a third (freed at once, and never held by a kept
-    norm: nothing reads it after the mean).
-    """
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        sum_sq = torch.linalg.vector_norm(xf, dim=-1, keepdim=True).square()
-        rstd = torch.rsqrt(sum_sq / x.shape[-1] + self.eps)
-        return (xf * rstd).type_as(x) * self.weight
-
-
-def rope_frequencies(head_dim: int, max_seq_len: int, theta: float) -> torch.Tensor:
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), inv_freq)
-    return torch.polar(torch.ones_like(angles), angles).to(torch.complex64)
-
-
-def apply_rope(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` [batch, seq, heads, head_dim] by ``freqs_cis`` [seq, head_dim/2].
-
-    The complex form allocates one output tensor; the rotate-half form allocates four
-    short-lived ones.
-    """
-    xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
-    return torch.view_as_real(xc * freqs_cis[None, :, None, :]).flatten(3).type_as(x)
-
-
-class Attention(nn.Module):
-    """Pre-norm grouped-query attention with QK-norm and RoPE.
-
-    Returns the residual stream after attention; each unit sits between two markers.
-    """
-
-    intervals: ClassVar[dict[str, MarkerInterval]] = {
-        "attn_norm": MarkerInterval("attn_norm", "qkv_proj"),
-        "qkv_proj": MarkerInterval("qkv_proj", "qk_norm"),
-        "qk_norm": MarkerInterval("qk_norm", "rope"),
-        "rope": MarkerInterval("rope", "attn_core"),
-        "attn_core": MarkerInterval("attn_core", "attn_proj"),
-        "attn_proj": MarkerInterval("attn_proj", "attn_residual"),
-    }
-
-    def __init__(self, config: DenseConfig) -> None:
-        super().__init__()
-        self.config = config
-        hd = config.head_dim
-        self.attn_norm = RMSNorm(config.dim, config.norm_eps)
-        self.q_proj = nn.Linear(config.dim, config.n_heads * hd, bias=False)
-        self.k_proj = nn.Linear(config.dim, config.n_kv_heads * hd, bias=False)
-        self.v_proj = nn.Linear(config.dim, config.n_kv_heads * hd, bias=False)
-        self.q_norm = RMSNorm(hd, config.norm_eps)
-        self.k_norm = RMSNorm(hd, config.norm_eps)
-        self.o_proj = nn.Linear(config.n_heads * hd, config.dim, bias=False)
-
-    def forward(self, hidden_states: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
-        cfg = self.config
-        batch, seq, _ = hidden_states.shape
-        checkpoint_record("attn_norm")
-        x = self.attn_norm(hidden_states)
-        checkpoint_record("qkv_proj")
-        q = self.q_proj(x).view(batch, seq, cfg.n_heads, cfg.head_dim)
-        k = self.k_proj(x).view(batch, seq, cfg.n_kv_heads, cfg.head_dim)
-        v = self.v_proj(x).view(batch, seq, cfg.n_kv_heads, cfg.head_dim)
-        checkpoint_record("qk_norm")
-        q, k = self.q_norm(q), self.k_norm(k)
-        checkpoint_record("rope")
-        q, k = apply_rope(q, freqs_cis), apply_rope(k, freqs_cis)
-        checkpoint_record("attn_core")
-        attn = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
-        )
-        checkpoint_record("attn_proj")
-        attn_out = self.o_proj(attn.transpose(1, 2).reshape(batch, seq, -1))
-        attn_out = dropout(attn_out, cfg.dropout, self.training)
-        checkpoint_record("attn_residual")
-        return hidden_states + attn_out
-
-
-class MLAttention(nn.Module):
-    """Pre-norm multi-head latent attention (DeepSeek-V2/V3) with the units of ``Attention``.
-
-    Queries go through a low-rank latent (``q_a_proj``, RMSNorm, ``q_b_proj``; one ``q_proj``
-    when ``q_lora_rank`` is None). Keys and values come from one latent: ``kv_a_proj_with_mqa``
-    gives it and a rotary key part shared by every head; RMSNorm; ``kv_b_proj`` gives each
-    head's non-rotary key and its value. RoPE turns only the rotary parts. Units: the down and
-    up projections are ``qkv_proj``, the two latent norms ``qk_norm``, rotating and joining
-    the key and query parts ``rope``.
-
-    SDPA's fused (flash) kernel takes one head size for q, k and v, so values are zero-padded
-    from v_head_dim to the query size inside ``attn_core`` and the output sliced back, as
-    Hugging Face runs DeepSeek-V3 under flash-attention 2. Unpadded, SDPA on the CPU falls back
-    to the math kernel, which holds the s x s scores a GPU kernel does not.
-    """
-
-    intervals: ClassVar[dict[str, MarkerInterval | list[MarkerInterval]]] = {
-        "attn_norm": MarkerInterval("attn_norm", "qkv_proj"),
-        # down projections to the latents, then (after their norms) the up projections
-        "qkv_proj": [MarkerInterval("qkv_proj", "qk_norm"), MarkerInterval("qkv_up", "rope")],
-        "qk_norm": MarkerInterval("qk_norm", "qkv_up"),
-        "rope": MarkerInterval("rope", "attn_core"),
-        "attn_core": MarkerInterval("attn_core", "attn_proj"),
-        "attn_proj": MarkerInterval("attn_proj", "attn_residual"),
-    }
-
-    def __init__(self, config: DenseConfig) -> None:
-        super().__init__()
-        self.config = config
-        heads, qk_dim = config.n_heads, config.qk_nope_head_dim + config.qk_rope_head_dim
-        self.attn_norm = RMSNorm(config.dim, config.norm_eps)
-        if config.q_lora_rank:
-            self.q_a_proj = nn.Linear(config.dim, config.q_lora_rank, bias=False)
-            self.q_a_layernorm = RMSNorm(config.q_lora_rank, config.norm_eps)
-            self.q_b_proj = nn.Linear(config.q_lora_rank, heads * qk_dim, bias=False)
-        else:
-            self.q_proj = nn.Linear(config.dim, heads * qk_dim, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(
-            config.dim, config.kv_lora_rank + config.qk_rope_head_dim, bias=False
-        )
-        self.kv_a_layernorm = RMSNorm(config.kv_lora_rank, config.norm_eps)
-        self.kv_b_proj = nn.Linear(
-            config.kv_lora_rank, heads * (config.qk_nope_head_dim + config.v_head_dim), bias=False
-        )
-        self.o_proj = nn.Linear(heads * config.v_head_dim, config.dim, bias=False)
-
-    def forward(self, hidden_states: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
-        cfg = self.config
-        batch, seq, _ = hidden_states.shape
-        heads, nope, rope, v_dim = cfg.n_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
-        checkpoint_record("attn_norm")
-        x = self.attn_norm(hidden_states)
-        checkpoint_record("qkv_proj")
-        q_latent = self.q_a_proj(x) if cfg.q_lora_rank else None
-        kv_latent, k_rope = self.kv_a_proj_with_mqa(x).split([cfg.kv_lora_rank, rope], dim=-1)
-        checkpoint_record("qk_norm")
-        if q_latent is not None:
-            q_latent = self.q_a_layernorm(q_latent)
-        kv_latent = self.kv_a_layernorm(kv_latent)
-        checkpoint_record("qkv_up")
-        q = self.q_b_proj(q_latent) if q_latent is not None else self.q_proj(x)
-        q_nope, q_rope = q.view(batch, seq, heads, nope + rope).split([nope, rope], dim=-1)
-        kv = self.kv_b_proj(kv_latent).view(batch, seq, heads, nope + v_dim)
-        k_nope, v = kv.split([nope, v_dim], dim=-1)
-        checkpoint_record("rope")
-        q = torch.cat([q_nope, apply_rope(q_rope, freqs_cis)], dim=-1)
-        k_rope = apply_rope(k_rope.unsqueeze(2), freqs_cis).expand(-1, -1, heads, -1)
-        k = torch.cat([k_nope, k_rope], dim=-1)
-        checkpoint_record("attn_core")
-        if v_dim < nope + rope:
-            v = F.pad(v, (0, nope + rope - v_dim))
-        attn = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
-        )
-        checkpoint_record("attn_proj")
-        attn_out = self.o_proj(attn[..., :v_dim].transpose(1, 2).reshape(batch, seq, -1))
-        attn_out = dropout(attn_out, cfg.dropout, self.training)
-        checkpoint_record("attn_residual")
-        return hidden_states + attn_out
-
-
 class SwiGLU(nn.Module):
     """Pre-norm SwiGLU MLP; returns the residual stream after it."""
 
@@ -305,6 +146,16 @@ class SwiGLU(nn.Module):
         self.gate_proj = nn.Linear(config.dim, config.ffn_dim, bias=False)
         self.up_proj = nn.Linear(config.dim, config.ffn_dim, bias=False)
         self.down_proj = nn.Linear(config.ffn_dim, config.dim, bias=False)
+
+    def tensor_parallel_plan(self, sequence_parallel: bool) -> TPPlan:
+        """Megatron's split: gate and up colwise, down rowwise (reduce-scattered back to the
+        sequence shards under sequence parallelism, all-reduced without)."""
+        return {
+            "mlp_norm": gathered_norm(sequence_parallel),
+            "gate_proj": (ColwiseParallel(),),
+            "up_proj": (ColwiseParallel(),),
+            "down_proj": (RowwiseParallel(output_layouts=sequence_layout(sequence_parallel)),),
+        }
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         checkpoint_record("mlp_norm")
@@ -331,6 +182,12 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.attn = self.attention_class(config)
         self.mlp = SwiGLU(config)
+
+    def tensor_parallel_plan(self, sequence_parallel: bool) -> TPPlan:
+        return {
+            **prefixed("attn.", self.attn.tensor_parallel_plan(sequence_parallel)),
+            **prefixed("mlp.", self.mlp.tensor_parallel_plan(sequence_parallel)),
+        }
 
     def forward(self, hidden_states: torch.Tensor, *, freqs_cis: torch.Tensor) -> DecoderLayerOutput:
         return {"hidden_states": self.mlp(self.attn(hidden_states, freqs_cis))}
@@ -399,6 +256,11 @@ class DenseModel(nn.Module):
     def reset_parameters(self, seed: int = 0) -> None:
         init_weights(self, depth=self.config.n_layers, seed=seed)
 
+    def tensor_parallel_plan(self, tp: int, sequence_parallel: bool | None = None) -> TPPlan:
+        """Where ``actplan.parallelize`` puts each tensor-parallel style (``model_tp_plan``);
+        sequence parallel unless ``sequence_parallel=False``."""
+        return model_tp_plan(self, tp, True if sequence_parallel is None else sequence_parallel)
+
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> ModelOutput:
         seq = input_ids.shape[1]
         hidden_states = self.embed(input_ids)
@@ -424,6 +286,45 @@ class DenseModel(nn.Module):
         final_norm = 3 * tokens * self.config.dim * elt + 2 * tokens * 4  # + norm, rstd per token
         log_probs = tokens * self.config.vocab_size * 4
         return layer_inputs + final_norm + log_probs
+
+
+def model_tp_plan(
+    model: nn.Module, tp: int, sequence_parallel: bool, sizes: dict[str, int] | None = None
+) -> TPPlan:
+    """The tensor-parallel plan of a reference model (``embed``, ``layers``, ``norm``,
+    ``lm_head``), each layer's from its own ``tensor_parallel_plan``.
+
+    The embedding is split by vocabulary (rowwise): its partial sums are reduce-scattered to
+    sequence shards under sequence parallelism, all-reduced otherwise. The final norm runs on
+    the sequence shards, and the head is split by vocabulary (colwise) with its logits gathered,
+    so the loss sees whole, replicated logits. Raises ``ValueError`` when a size (of the
+    config's, or of ``sizes``) does not divide by ``tp``.
+    """
+    config = model.config
+    sizes = {
+        "vocab_size": config.vocab_size,
+        "n_heads": config.n_heads,
+        "ffn_dim": config.ffn_dim,
+        **(sizes or {}),
+    }
+    if not config.mla:
+        sizes["n_kv_heads"] = config.n_kv_heads
+    if sequence_parallel:
+        sizes["seq_len"] = config.seq_len  # of the batches make_batch draws
+    uneven = [f"{name} ({size})" for name, size in sizes.items() if size % tp]
+    if tp < 1 or uneven:
+        raise ValueError(
+            f"cannot split this model over {tp} tensor-parallel ranks: {', '.join(uneven) or 'tp < 1'} "
+            f"must divide by {tp}; choose a tensor-parallel size that divides them"
+        )
+    seq = sequence_layout(sequence_parallel)
+    plan: TPPlan = {"embed": (RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),)}
+    for index, layer in enumerate(model.layers):
+        plan.update(prefixed(f"layers.{index}.", layer.tensor_parallel_plan(sequence_parallel)))
+    if sequence_parallel:
+        plan["norm"] = (SequenceParallel(),)
+    plan["lm_head"] = (ColwiseParallel(input_layouts=seq, output_layouts=Replicate()),)
+    return plan
 
 
 def make_batch(config: DenseConfig, seed: int = 0, batch_size: int | None = None) -> dict[str, torch.Tensor]:

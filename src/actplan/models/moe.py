@@ -23,8 +23,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from actplan.markers import checkpoint_record
+from actplan.models.attention import TPPlan, prefixed
 from actplan.models.dense import (
     Attention,
     DecoderLayer,
@@ -33,6 +36,7 @@ from actplan.models.dense import (
     MLAttention,
     RMSNorm,
     SeededGenerators,
+    model_tp_plan,
     preset_config,
     rope_frequencies,
 )
@@ -218,6 +222,24 @@ class MoE(nn.Module):
                 }
             )
 
+    def tensor_parallel_plan(self, sequence_parallel: bool) -> TPPlan:
+        """The shared expert split as a dense MLP (gate and up colwise, down rowwise and
+        all-reduced); the norm, the router and the routed experts stay replicated (or split over
+        ranks by expert parallelism), so every tensor-parallel rank routes the same tokens."""
+        if sequence_parallel:
+            raise ValueError(
+                "the MoE reference model runs tensor parallelism without sequence parallelism: its "
+                "router and routed experts are replicated over the tensor-parallel ranks and take the "
+                "whole sequence; pass sequence_parallel=False (or leave it unset)"
+            )
+        if self.shared is None:
+            return {}
+        return {
+            "shared.gate_proj": (ColwiseParallel(),),
+            "shared.up_proj": (ColwiseParallel(),),
+            "shared.down_proj": (RowwiseParallel(output_layouts=Replicate()),),
+        }
+
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Top-k expert ids and weights per token, tokens per expert, and the balance loss."""
         cfg = self.config
@@ -316,6 +338,12 @@ class MoEDecoderLayer(nn.Module):
         self.attn = self.attention_class(config)
         self.moe = MoE(config, experts)
 
+    def tensor_parallel_plan(self, sequence_parallel: bool) -> TPPlan:
+        return {
+            **prefixed("attn.", self.attn.tensor_parallel_plan(sequence_parallel)),
+            **prefixed("moe.", self.moe.tensor_parallel_plan(sequence_parallel)),
+        }
+
     def forward(self, hidden_states: torch.Tensor, *, freqs_cis: torch.Tensor) -> MoELayerOutput:
         hidden_states, aux_loss, expert_ids = self.moe(self.attn(hidden_states, freqs_cis))
         return {"hidden_states": hidden_states, "aux_loss": aux_loss, "expert_ids": expert_ids}
@@ -378,6 +406,13 @@ class MoEModel(nn.Module):
                     param.copy_(full[ep.first : ep.first + ep.n_local])
                 else:
                     param.normal_(0.0, std, generator=generator(param.device))
+
+    def tensor_parallel_plan(self, tp: int, sequence_parallel: bool | None = None) -> TPPlan:
+        """As the dense model's, with ``MoE.tensor_parallel_plan`` for the MoE blocks; no
+        sequence parallelism (``sequence_parallel=True`` raises ``ValueError``)."""
+        shared = self.config.shared_expert_ffn_dim
+        sizes = {"shared_expert_ffn_dim": shared} if shared else {}
+        return model_tp_plan(self, tp, bool(sequence_parallel), sizes)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> MoEOutput:
         seq = input_ids.shape[1]

@@ -58,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--after", default="src", help="the new tree's src folder (default: this checkout)")
     parser.add_argument("--rounds", type=int, default=3, help="processes per tree and model")
     parser.add_argument("--repeats", type=int, default=30, help="interleaved rounds inside each process")
+    parser.add_argument("--models", default=",".join(MODELS), help="comma-separated: dense, moe")
     parser.add_argument("--out", default=str(RESULTS))
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -67,8 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.before:
         parser.error("--before is required: the src folder of the tree to compare with")
     trees = {"before": Path(args.before), "after": Path(args.after)}
-    runs: dict[str, dict[str, list[dict[str, float]]]] = {m: {t: [] for t in trees} for m in MODELS}
-    for model in MODELS:
+    models = [m for m in args.models.split(",") if m]
+    runs: dict[str, dict[str, list[dict[str, float]]]] = {m: {t: [] for t in trees} for m in models}
+    for model in models:
         for round_index in range(args.rounds):
             for label, tree in trees.items():
                 result = _measure(tree, model, args.repeats)

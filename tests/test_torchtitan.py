@@ -395,7 +395,7 @@ def test_remove_takes_the_hooks_away():
 def test_a_plan_on_the_decoder_then_on_the_module_around_it_hooks_each_block_once():
     model, batch = build("llama3"), make_batch(0)
     baseline, _ = step(copy.deepcopy(model), batch)
-    titan.apply_to_torchtitan(model.decoder, "attn")  # what ActplanAC does inside parallelize_*
+    actplan.apply_to_torchtitan(model.decoder, "attn")  # what ActplanAC does inside parallelize_*
     hooks = dict(model.decoder.layers["0"].attention.wo._forward_pre_hooks)
     actplan.apply(model, "matmuls")
     assert model.decoder.layers["0"].attention.wo._forward_pre_hooks == hooks
@@ -418,7 +418,7 @@ def test_blocks_compiled_by_torchtitan_after_the_plan_stay_exact(monkeypatch):
         monkeypatch.setattr(torch._dynamo.config, flag, getattr(torch._dynamo.config, flag))
     model, batch = build("llama3"), make_batch(0)
     baseline, _ = step(copy.deepcopy(model), batch)  # eager, no checkpointing
-    titan.apply_to_torchtitan(model.decoder, "matmuls")
+    actplan.apply_to_torchtitan(model.decoder, "matmuls")
     one = dict(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, world_size=1)
     compile_config = CompileConfig(enable=True, components=["model"], backend="aot_eager")
     apply_compile(model.decoder, compile_config=compile_config, parallel_dims=ParallelDims(**one))
@@ -433,7 +433,7 @@ def test_blocks_compiled_by_torchtitan_after_the_plan_stay_exact(monkeypatch):
 
 @pytest.mark.parametrize("reference", ["llama3", "qwen3", "deepseek_v3"], indirect=True)
 def test_actplan_ac_is_exact_through_torchtitans_ac_interface(reference):
-    from actplan.integrations.torchtitan import ActplanAC
+    from actplan import ActplanAC
 
     kind, model, batch, baseline, none_bytes = reference
     assert issubclass(ActplanAC, torchtitan_ac.ActivationCheckpointing)
@@ -450,7 +450,7 @@ def test_actplan_ac_is_exact_through_torchtitans_ac_interface(reference):
 def test_actplan_ac_config_is_a_torchtitan_config_and_parses_on_its_command_line():
     import tyro
 
-    from actplan.integrations.torchtitan import ActplanAC
+    from actplan import ActplanAC
 
     config = ActplanAC.Config(plan="attn", layouts={"Block": None})
     assert config.to_dict()["plan"] == "attn"
@@ -482,7 +482,7 @@ def test_actplan_ac_config_is_a_torchtitan_config_and_parses_on_its_command_line
     ],
 )
 def test_actplan_ac_settings_it_cannot_honour_are_errors(fields, message):
-    from actplan.integrations.torchtitan import ActplanAC
+    from actplan import ActplanAC
 
     with pytest.raises(ConfigError, match=message):
         ActplanAC.Config(**fields).build(dump_folder="")
@@ -498,7 +498,7 @@ def test_blocks_torchtitan_already_checkpoints_are_refused(ac):
     config = torchtitan_ac.FullAC.Config() if ac == "full" else torchtitan_ac.SelectiveAC.Config()
     config.build().apply(model.decoder)
     with pytest.raises(ConfigError) as err:
-        titan.apply_to_torchtitan(model.decoder, "matmuls")
+        actplan.apply_to_torchtitan(model.decoder, "matmuls")
     message = str(err.value)
     assert "layers.0, layers.1 of Llama3Model are already wrapped by torch's checkpoint_wrapper" in message
     assert "activation_checkpoint=ActplanAC.Config(plan=...)" in message and "before torch.compile" in message
@@ -526,7 +526,7 @@ def _renamed_output(model: nn.Module) -> nn.Module:
 def test_a_layout_that_cannot_be_derived_names_what_is_unclear_and_how_to_pass_one():
     model = _renamed_output(build("llama3"))
     with pytest.raises(ConfigError) as err:
-        titan.apply_to_torchtitan(model, "matmuls")
+        actplan.apply_to_torchtitan(model, "matmuls")
     message = str(err.value)
     assert "cannot tell the units of WithLoss's torchtitan blocks from their module names" in message
     assert "Llama3TransformerBlock (decoder.layers.0 and 1 more)" in message
@@ -544,7 +544,7 @@ def test_a_layout_that_cannot_be_derived_names_what_is_unclear_and_how_to_pass_o
     }
     batch = make_batch(0)
     baseline, _ = step(copy.deepcopy(model), batch)
-    plan = titan.apply_to_torchtitan(model, "matmuls", layouts={"Llama3TransformerBlock": layout})
+    plan = actplan.apply_to_torchtitan(model, "matmuls", layouts={"Llama3TransformerBlock": layout})
     assert {layer.class_name for layer in plan.layers} == {"Llama3TransformerBlock"}
     for _ in range(2):
         report = compare_steps(baseline, step(model, batch)[0])
@@ -592,7 +592,7 @@ def test_tensor_parallel_first_then_actplan_is_exact(one_rank):
     model, batch = build("qwen3"), make_batch(0)
     baseline, none_bytes = step(_tensor_parallel(copy.deepcopy(model), one_rank), batch, metered=True)
     candidate = _tensor_parallel(copy.deepcopy(model), one_rank)
-    titan.apply_to_torchtitan(candidate, "matmuls")
+    actplan.apply_to_torchtitan(candidate, "matmuls")
     for call in range(2):
         captured, held = step(candidate, batch, metered=call == 1)
         report = compare_steps(baseline, captured)
@@ -603,7 +603,7 @@ def test_tensor_parallel_first_then_actplan_is_exact(one_rank):
 @pytest.mark.slow
 def test_tensor_parallel_after_actplan_names_the_order(one_rank):
     model = build("qwen3")
-    titan.apply_to_torchtitan(model, "matmuls")
+    actplan.apply_to_torchtitan(model, "matmuls")
     _tensor_parallel(model, one_rank)
     with pytest.raises(ConfigError) as err:
         step(model, make_batch(0))
@@ -621,7 +621,7 @@ def test_torchtitans_parallelize_with_actplan_ac_is_exact(one_rank, monkeypatch,
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.models.llama3.parallelize import parallelize_llama
 
-    from actplan.integrations.torchtitan import ActplanAC
+    from actplan import ActplanAC
 
     monkeypatch.setattr(parallel_dims, "device_type", "cpu")  # its meshes default to CUDA
     model, batch = build("llama3"), make_batch(0)
@@ -666,7 +666,7 @@ bundle = build_model('dense', 'tiny')
 actplan.apply(bundle.model, 'matmuls')
 bundle.model(**bundle.make_batch(0))['loss'].backward()
 assert 'torchtitan' not in sys.modules, 'imported torchtitan'
-torchtitan.ActplanAC
+actplan.ActplanAC
 assert 'torchtitan' in sys.modules
 print('ok')
 """

@@ -23,6 +23,7 @@ from actplan._install.apply import (
 )
 from actplan._install.parallel import parallelize
 from actplan._install.plan import LayerPlan, Plan
+from actplan._install.torchtitan import apply_to_torchtitan
 from actplan._torch_internals import TorchInternalsError
 from actplan.config import PRESETS, ConfigError, LayerSelector, OffloadConfig, RecomputeConfig
 from actplan.markers import checkpoint_record
@@ -33,6 +34,7 @@ __version__ = "0.1.0"
 __all__ = [
     "PRESETS",
     "UNIT_DESCRIPTIONS",
+    "ActplanAC",
     "ConfigError",
     "IntervalPolicy",
     "KeptTensorMutatedError",
@@ -51,6 +53,7 @@ __all__ = [
     "TorchInternalsError",
     "apply",
     "apply_gradient_checkpointing",
+    "apply_to_torchtitan",
     "checkpoint_record",
     "find_layers",
     "held_by_layer",
@@ -63,3 +66,13 @@ __all__ = [
     "remove",
     "remove_gradient_checkpointing",
 ]
+
+
+def __getattr__(name: str):
+    # ``ActplanAC`` subclasses torchtitan's ActivationCheckpointing: torchtitan is imported only
+    # when it is asked for.
+    if name == "ActplanAC":
+        from actplan._install.torchtitan import ActplanAC
+
+        return ActplanAC
+    raise AttributeError(f"module 'actplan' has no attribute {name!r}")

@@ -9,22 +9,16 @@ throughout: ``attention_norm``, ``attention.qkv_linear.wqkv`` (or ``wq``/``wk``/
 (``TransformerBlock`` in their MRO, told by name: torchtitan is never imported here) and
 derives their layouts with ``hf_derive``.
 
-Where torchtitan applies activation checkpointing (after tensor parallelism, before
-``torch.compile`` and FSDP), call ``apply_to_torchtitan(model, config)``, or set the trainer's
-``activation_checkpoint`` to ``ActplanAC.Config(plan=...)``: ``ActplanAC`` is a member of
-torchtitan's ``ActivationCheckpointing`` family, so this module hands it out lazily (it
-imports torchtitan; ``import actplan`` never does). Imports ``units``, ``blocks`` and ``hf``
-(``interval_map_for``); ``_torchtitan_ac`` on first use of ``ActplanAC``.
+Plugging actplan in where torchtitan applies activation checkpointing (``apply_to_torchtitan``,
+``ActplanAC``) installs a plan, so it lives a layer up, in ``actplan._install.torchtitan``.
+Imports ``units``, ``blocks`` and ``hf`` (``interval_map_for``).
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
-
 from torch import nn
 
-from actplan.integrations.blocks import BlockSource, Layouts, attention_blocks, classes_from, layout_of
+from actplan.integrations.blocks import BlockSource, attention_blocks, classes_from, layout_of
 from actplan.integrations.hf import interval_map_for
 from actplan.units import RecomputeIntervalMap
 
@@ -69,7 +63,7 @@ class _Torchtitan(BlockSource):
         return (
             "turn torchtitan's activation checkpointing off where actplan's is on: in the config "
             "function set activation_checkpoint=ActplanAC.Config(plan=...) (from "
-            "actplan.integrations.torchtitan) instead of FullAC/SelectiveAC, or "
+            "actplan) instead of FullAC/SelectiveAC, or "
             "activation_checkpoint=None and call apply_to_torchtitan(model, plan) where "
             "torchtitan applies it (after tensor parallelism, before torch.compile and FSDP)"
         )
@@ -77,30 +71,3 @@ class _Torchtitan(BlockSource):
 
 SOURCE = _Torchtitan()
 """Registered by ``actplan.integrations`` on first use."""
-
-
-def apply_to_torchtitan(
-    model: nn.Module,
-    config: Any = "matmuls",
-    *,
-    layouts: Layouts | None = None,
-) -> Any:
-    """Install an actplan plan on a torchtitan model's blocks; returns the ``actplan.Plan``.
-
-    ``config``: a preset name (``"matmuls"``), a path to a YAML/JSON plan (``actplan plan``
-    writes one), a ``RecomputeConfig`` or its dict. ``layouts``: units by block class name, for
-    blocks whose layout cannot be derived (``None`` leaves a class alone). Call it where
-    torchtitan's ``parallelize_*`` applies activation checkpointing: after tensor parallelism,
-    before ``torch.compile`` and FSDP (``ActplanAC`` does exactly that). Raises ``ConfigError``
-    for blocks torchtitan already wrapped with its own checkpointing and for a layout it
-    cannot derive."""
-    # The public face, looked up when called: this plug-in calls actplan as a training script
-    # does, from above the installer that integrations sit below (docs/architecture.md).
-    return importlib.import_module("actplan").apply(model, config, layouts=layouts)
-
-
-def __getattr__(name: str) -> Any:
-    # ``ActplanAC`` subclasses torchtitan's ActivationCheckpointing: imported on first use only.
-    if name == "ActplanAC":
-        return importlib.import_module("actplan.integrations._torchtitan_ac").ActplanAC
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

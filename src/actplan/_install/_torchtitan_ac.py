@@ -6,7 +6,8 @@ calls ``config.build(dump_folder=...).apply(model)`` after tensor parallelism an
 ``torch.compile`` and FSDP. ``ActplanAC.Config(plan=...)`` goes in the same place; its
 ``apply`` installs the plan with ``apply_to_torchtitan``. The dict-valued fields are left
 off torchtitan's command line (tyro cannot parse them); ``plan`` is on it. This module
-imports torchtitan: ``actplan.integrations.torchtitan`` hands ``ActplanAC`` out on first use.
+imports torchtitan: ``actplan._install.torchtitan`` (and ``actplan``) hand ``ActplanAC`` out on
+first use.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ import tyro
 from torch import nn
 from torchtitan.distributed import activation_checkpoint as torchtitan_ac
 
+from actplan._install.torchtitan import apply_to_torchtitan
 from actplan.config import ConfigError
-from actplan.integrations.torchtitan import apply_to_torchtitan
 
 logger = logging.getLogger("actplan")
 

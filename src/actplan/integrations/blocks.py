@@ -29,8 +29,8 @@ from torch import nn
 
 from actplan.config import ConfigError
 from actplan.integrations._hf_hooks import install_hooks
-from actplan.integrations.hf import FoundLayer, Layout, interval_map_for
-from actplan.integrations.hf_derive import ATTENTION_INPUTS, Span, derive_layout, submodule_names
+from actplan.integrations.hf import FoundLayer, Layout, interval_map_for, unclear_layout_error
+from actplan.integrations.hf_derive import ATTENTION_INPUTS, Span, derive_layout
 from actplan.units import MarkerInterval, RecomputeIntervalMap, RecomputeUnit, parse_unit
 
 Layouts = Mapping[str, Layout | None]
@@ -237,40 +237,25 @@ class BlockSource:
 
     def layout_error(self, model: nn.Module, problems: Sequence[FoundLayer]) -> ConfigError:
         """What actplan found, what is unclear, and the ``layouts=`` to pass."""
-        lines, by_class = [], {}
-        for layer in problems:
-            by_class.setdefault(type(layer.module).__name__, layer)
-        for class_name, layer in by_class.items():
-            count = sum(type(x.module).__name__ == class_name for x in problems)
-            lines.append(
-                f"  {class_name} ({layer.name}{f' and {count - 1} more' if count > 1 else ''}): "
-                f"{layer.problem}\n    submodules: {', '.join(submodule_names(layer.module))}"
-            )
+        found = ""
         if not problems:
             classes = sorted({type(m).__name__ for _, m in self.blocks(model)})
-            lines.append(
-                f"  found blocks {', '.join(classes)}, none given a layout"
+            found = (
+                f"blocks {', '.join(classes)}, none given a layout"
                 if classes
-                else "  found no blocks (no ModuleList or ModuleDict whose members all have attention "
+                else "no blocks (no ModuleList or ModuleDict whose members all have attention "
                 "input projections)"
             )
-        example_class = next(iter(by_class), "MyBlock")
-        partial = next(iter(by_class.values())).layout if by_class else {}
-        example = {u.value: _format_spans(s) for u, s in partial.items()} or {
-            "qkv_proj": "'attn.q_proj', 'attn.k_proj', 'attn.v_proj'",
-            "attn_core": "('attn.v_proj:exit', 'attn.o_proj:enter')",
-            "attn_proj": "'attn.o_proj'",
-            "mlp_up": "'mlp.up_proj'",
-            "mlp_down": "'mlp.down_proj'",
-        }
-        body = "".join(f"        {unit!r}: [{spans}],\n" for unit, spans in example.items())
-        return ConfigError(
-            f"actplan cannot tell the units of {type(model).__name__}'s {self.framework} blocks from "
-            "their module names:\n" + "\n".join(lines) + "\n"
-            "Pass a layout per block class (module paths relative to the block; a pair of points "
-            "for work with no module of its own; None for a class not to checkpoint), e.g.\n"
-            f"    {self.apply_example}{{{example_class!r}: {{\n{body}    }}}})\n"
-            f"and check it with `actplan verify` ({self.doc})"
+        return unclear_layout_error(
+            model,
+            problems,
+            found=found,
+            kind=f"{self.framework} blocks",
+            per="block class (module paths relative to the block",
+            default_class="MyBlock",
+            attention="attn",
+            apply_call=self.apply_example,
+            doc=self.doc,
         )
 
 

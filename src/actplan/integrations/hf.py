@@ -239,6 +239,42 @@ def _format_spans(spans: Sequence[Span]) -> str:
 def layout_error(model: nn.Module, problems: Sequence[FoundLayer] = ()) -> ConfigError:
     """The error for a ``transformers`` model actplan cannot find units in: the decoder
     layers and submodules it found, what is unclear, and how to pass ``layouts=``."""
+    found = ""
+    if not problems:
+        blocks = decoder_layers(model)
+        found = (
+            f"decoder layers {', '.join(sorted({type(m).__name__ for _, m in blocks}))}, none of them usable"
+            if blocks
+            else "no decoder layers (no GradientCheckpointingLayer, no ModuleList of attention blocks)"
+        )
+    return unclear_layout_error(
+        model,
+        problems,
+        found=found,
+        kind="decoder layers",
+        per="decoder-layer class (module paths relative to the layer",
+        default_class="MyDecoderLayer",
+        attention="self_attn",
+        apply_call="actplan.apply(model, config, layouts=",
+        doc='docs/huggingface.md, "Other architectures"',
+    )
+
+
+def unclear_layout_error(
+    model: nn.Module,
+    problems: Sequence[FoundLayer],
+    *,
+    found: str,
+    kind: str,
+    per: str,
+    default_class: str,
+    attention: str,
+    apply_call: str,
+    doc: str,
+) -> ConfigError:
+    """What actplan found (``problems``, or ``found`` when there are none), what is unclear,
+    and a ``layouts=`` to pass, made from what was derived where anything was: shared by the
+    Hugging Face, torchtitan and plain PyTorch sources (``kind``: "decoder layers", ...)."""
     lines = []
     by_class: dict[str, FoundLayer] = {}
     for layer in problems:
@@ -249,31 +285,25 @@ def layout_error(model: nn.Module, problems: Sequence[FoundLayer] = ()) -> Confi
             f"  {class_name} ({layer.name}{f' and {count - 1} more' if count > 1 else ''}): {layer.problem}\n"
             f"    submodules: {', '.join(submodule_names(layer.module))}"
         )
-    if not problems:
-        blocks = decoder_layers(model)
-        what = (
-            f"decoder layers {', '.join(sorted({type(m).__name__ for _, m in blocks}))}, none of them usable"
-            if blocks
-            else "no decoder layers (no GradientCheckpointingLayer, no ModuleList of attention blocks)"
-        )
-        lines.append(f"  found {what}")
-    example_class = next(iter(by_class), "MyDecoderLayer")
+    if found:
+        lines.append(f"  found {found}")
+    example_class = next(iter(by_class), default_class)
     partial = next(iter(by_class.values())).layout if by_class else {}
     example = {u.value: _format_spans(s) for u, s in partial.items()} or {
-        "qkv_proj": "'self_attn.q_proj', 'self_attn.k_proj', 'self_attn.v_proj'",
-        "attn_core": "('self_attn.v_proj:exit', 'self_attn.o_proj:enter')",
-        "attn_proj": "'self_attn.o_proj'",
+        "qkv_proj": f"'{attention}.q_proj', '{attention}.k_proj', '{attention}.v_proj'",
+        "attn_core": f"('{attention}.v_proj:exit', '{attention}.o_proj:enter')",
+        "attn_proj": f"'{attention}.o_proj'",
         "mlp_up": "'mlp.up_proj'",
         "mlp_down": "'mlp.down_proj'",
     }
     body = "".join(f"        {unit!r}: [{spans}],\n" for unit, spans in example.items())
     return ConfigError(
-        f"actplan cannot tell the units of {type(model).__name__}'s decoder layers from their "
+        f"actplan cannot tell the units of {type(model).__name__}'s {kind} from their "
         "module names:\n" + "\n".join(lines) + "\n"
-        "Pass a layout per decoder-layer class (module paths relative to the layer; a pair of "
+        f"Pass a layout per {per}; a pair of "
         "points for work with no module of its own; None for a class not to checkpoint), e.g.\n"
-        f"    actplan.apply(model, config, layouts={{{example_class!r}: {{\n{body}    }}}})\n"
-        'and check it with `actplan verify` (docs/huggingface.md, "Other architectures")'
+        f"    {apply_call}{{{example_class!r}: {{\n{body}    }}}})\n"
+        f"and check it with `actplan verify` ({doc})"
     )
 
 

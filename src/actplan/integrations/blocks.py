@@ -29,7 +29,8 @@ from torch import nn
 
 from actplan.config import ConfigError
 from actplan.integrations._hf_hooks import install_hooks
-from actplan.integrations.hf import FoundLayer, Layout, interval_map_for, unclear_layout_error
+from actplan.integrations._layout_error import unclear_layout_error
+from actplan.integrations.hf import FoundLayer, Layout, interval_map_for
 from actplan.integrations.hf_derive import ATTENTION_INPUTS, Span, derive_layout
 from actplan.units import MarkerInterval, RecomputeIntervalMap, RecomputeUnit, parse_unit
 
@@ -257,10 +258,6 @@ class BlockSource:
             apply_call=self.apply_example,
             doc=self.doc,
         )
-
-
-def _format_spans(spans: Sequence[Span]) -> str:
-    return ", ".join(repr(s) if isinstance(s, str) else f"({s[0]!r}, {s[1]!r})" for s in spans)
 
 
 def _format_interval(interval: MarkerInterval) -> str:

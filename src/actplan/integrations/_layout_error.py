@@ -1,4 +1,5 @@
-"""The error for a model whose layer layout actplan cannot derive, shared by the Hugging Face,
+"""The error for a model whose layer layout actplan cannot derive, and the rows that list derived
+layouts, shared by the Hugging Face,
 torchtitan and plain PyTorch sources: what was found, what is unclear, and a ``layouts=`` to
 pass. A leaf of the integrations: imports ``config`` (``ConfigError``), ``hf_derive`` and
 ``units``.
@@ -13,8 +14,9 @@ from torch import nn
 
 from actplan.config import ConfigError
 from actplan.integrations.hf_derive import Span, submodule_names
+from actplan.units import MarkerInterval, RecomputeIntervalMap
 
-__all__ = ["format_spans", "unclear_layout_error"]
+__all__ = ["format_interval", "format_spans", "found_layout_rows", "unclear_layout_error"]
 
 
 def format_spans(spans: Sequence[Span]) -> str:
@@ -67,3 +69,32 @@ def unclear_layout_error(
         f"    {apply_call}{{{example_class!r}: {{\n{body}    }}}})\n"
         f"and check it with `actplan verify` ({doc})"
     )
+
+
+def format_interval(interval: MarkerInterval) -> str:
+    start_path, _, start_kind = interval.start.rpartition(":")
+    end_path, _, end_kind = interval.end.rpartition(":")
+    if start_path == end_path and (start_kind, end_kind) == ("enter", "exit"):
+        return start_path
+    return f"[{interval.start}, {interval.end})"
+
+
+def found_layout_rows(found: Sequence[Any]) -> list[tuple[str, str, str, str, str]]:
+    """(layer class, layers, source, unit, spans) per unit of each distinct layout among the
+    ``found`` layers: what ``actplan units`` lists, for every source."""
+    groups: dict[tuple[str, RecomputeIntervalMap | None, str], list[Any]] = {}
+    for layer in found:
+        groups.setdefault((type(layer.module).__name__, layer.interval_map, layer.source), []).append(layer)
+    rows = []
+    for (class_name, interval_map, source), members in groups.items():
+        where = (
+            ", ".join(m.name for m in members)
+            if len(members) <= 2
+            else f"{members[0].name} +{len(members) - 1}"
+        )
+        if interval_map is None:
+            rows.append((class_name, where, source, "-", members[0].problem or "not checkpointed"))
+            continue
+        for unit, intervals in interval_map.items():
+            rows.append((class_name, where, source, unit.value, " + ".join(map(format_interval, intervals))))
+    return rows

@@ -29,10 +29,10 @@ from torch import nn
 
 from actplan.config import ConfigError
 from actplan.integrations._hf_hooks import install_hooks
-from actplan.integrations._layout_error import unclear_layout_error
+from actplan.integrations._layout_error import found_layout_rows, unclear_layout_error
 from actplan.integrations.hf import FoundLayer, Layout, interval_map_for
 from actplan.integrations.hf_derive import ATTENTION_INPUTS, Span, derive_layout
-from actplan.units import MarkerInterval, RecomputeIntervalMap, RecomputeUnit, parse_unit
+from actplan.units import RecomputeIntervalMap, RecomputeUnit, parse_unit
 
 Layouts = Mapping[str, Layout | None]
 
@@ -260,33 +260,10 @@ class BlockSource:
         )
 
 
-def _format_interval(interval: MarkerInterval) -> str:
-    start_path, _, start_kind = interval.start.rpartition(":")
-    end_path, _, end_kind = interval.end.rpartition(":")
-    if start_path == end_path and (start_kind, end_kind) == ("enter", "exit"):
-        return start_path
-    return f"[{interval.start}, {interval.end})"
-
-
 def layout_rows(found: Sequence[FoundLayer]) -> list[tuple[str, str, str, str, str]]:
     """(block class, blocks, source, unit, spans) per unit of each distinct block layout: the
     derived units, listed as ``actplan units`` lists a Hugging Face model's."""
-    groups: dict[tuple[str, RecomputeIntervalMap | None, str], list[FoundLayer]] = {}
-    for layer in found:
-        groups.setdefault((type(layer.module).__name__, layer.interval_map, layer.source), []).append(layer)
-    rows = []
-    for (class_name, interval_map, source), members in groups.items():
-        where = (
-            ", ".join(m.name for m in members)
-            if len(members) <= 2
-            else f"{members[0].name} +{len(members) - 1}"
-        )
-        if interval_map is None:
-            rows.append((class_name, where, source, "-", members[0].problem or "not checkpointed"))
-            continue
-        for unit, intervals in interval_map.items():
-            rows.append((class_name, where, source, unit.value, " + ".join(map(_format_interval, intervals))))
-    return rows
+    return found_layout_rows(found)
 
 
 def _undo(state: _Declared) -> None:

@@ -33,7 +33,7 @@ from torch import nn
 from actplan._callsite import warn
 from actplan.config import ConfigError
 from actplan.integrations._hf_hooks import CallCheck, check_hf_checkpointing_off, install_hooks
-from actplan.integrations._layout_error import unclear_layout_error
+from actplan.integrations._layout_error import format_interval, found_layout_rows, unclear_layout_error
 from actplan.integrations.hf_derive import (
     ATTENTION_INPUTS,
     Span,
@@ -343,24 +343,7 @@ def known_interval_map(module: nn.Module, layouts: Layouts | None = None) -> Rec
 def layout_rows(model: nn.Module, layouts: Layouts | None = None) -> list[tuple[str, str, str, str, str]]:
     """(layer class, layers, source, unit, spans) per unit of each distinct decoder-layer
     layout of ``model``: what ``actplan units --model`` shows."""
-    groups: dict[tuple[str, RecomputeIntervalMap | None, str], list[FoundLayer]] = {}
-    for layer in find_decoder_layers(model, layouts):
-        groups.setdefault((type(layer.module).__name__, layer.interval_map, layer.source), []).append(layer)
-    rows = []
-    for (class_name, interval_map, source), members in groups.items():
-        where = (
-            ", ".join(m.name for m in members)
-            if len(members) <= 2
-            else f"{members[0].name} +{len(members) - 1}"
-        )
-        if interval_map is None:
-            rows.append((class_name, where, source, "-", members[0].problem or "not checkpointed"))
-            continue
-        for unit, intervals in interval_map.items():
-            rows.append(
-                (class_name, where, source, unit.value, " + ".join(_format_interval(i) for i in intervals))
-            )
-    return rows
+    return found_layout_rows(find_decoder_layers(model, layouts))
 
 
 def unit_modules(model: nn.Module, layouts: Layouts | None = None) -> dict[RecomputeUnit, str]:
@@ -369,19 +352,11 @@ def unit_modules(model: nn.Module, layouts: Layouts | None = None) -> dict[Recom
     found: dict[RecomputeUnit, dict[str, None]] = {}
     for layer in find_decoder_layers(model, layouts):
         for unit, intervals in (layer.interval_map or {}).items():
-            for path in map(_format_interval, intervals):
+            for path in map(format_interval, intervals):
                 # "[a, b)" is a span between two points, not one module.
                 kind = "" if path.startswith("[") else f" ({type(layer.module.get_submodule(path)).__name__})"
                 found.setdefault(unit, {})[path + kind] = None
     return {unit: ", ".join(names) for unit, names in found.items()}
-
-
-def _format_interval(interval: MarkerInterval) -> str:
-    start_path, _, start_kind = interval.start.rpartition(":")
-    end_path, _, end_kind = interval.end.rpartition(":")
-    if start_path == end_path and (start_kind, end_kind) == ("enter", "exit"):
-        return start_path
-    return f"[{interval.start}, {interval.end})"
 
 
 class _HuggingFace:

@@ -15,7 +15,15 @@ from typing import Any, Protocol
 import torch
 
 from actplan._engine.ops import IGNORED_OPS
-from actplan._torch_internals import FakeTensor, TorchDispatchMode, is_traceable_wrapper_subclass, tensor_base
+from actplan._torch_internals import (
+    FakeTensor,
+    TorchDispatchMode,
+    detach_alias,
+    is_traceable_wrapper_subclass,
+    storage_key_of,
+    storage_use_count,
+    tensor_base,
+)
 from actplan.units import MarkerInterval
 
 
@@ -68,8 +76,9 @@ class HeldOutput:
     """One tensor output of a kept op: held until proven unread, or dropped.
 
     ``interval`` is the kept interval the op ran in, ``None`` outside every kept interval (then
-    the op is a routing one and held only for that). ``routing``: the op routes, communicates or
-    copies to the host, so its output is held whatever reads it."""
+    the op is a routing one and held only for that). ``routing``: the op routes or copies to the
+    host, so its output is held whatever reads it (a collective's floating-point outputs are held
+    only while read; never rerun either way)."""
 
     value: Any  # the detached alias; an offload handle; None once dropped or served
     interval: MarkerInterval | None
@@ -85,6 +94,62 @@ class HeldOutput:
     # version when made: a write through one, unwatched, still shows when the replay serves it.
     aliases: list | None = None
     offloaded: bool = False
+    # For an output that is a wrapper subclass around one plain tensor (a DTensor around its
+    # local shard): how to rebuild it around a placeholder. ``storage``, ``meta`` and ``version``
+    # are then the inner tensor's: that is what holding it costs and what writes change.
+    wrapped: Wrapped | None = None
+
+
+@dataclass(frozen=True)
+class Wrapped:
+    """A traceable wrapper subclass with one inner tensor, as ``__tensor_flatten__`` describes it
+    (``others``: the inner entries that are not tensors, such as a DTensor's device mesh)."""
+
+    kind: type
+    name: str
+    others: tuple[tuple[str, Any], ...]
+    context: Any
+    size: torch.Size
+    stride: tuple[int, ...]
+
+    def rebuild(self, inner: torch.Tensor) -> torch.Tensor:
+        inners = {**dict(self.others), self.name: inner}
+        return self.kind.__tensor_unflatten__(inners, self.context, self.size, self.stride)
+
+
+def single_inner(tensor: torch.Tensor) -> tuple[Wrapped, torch.Tensor] | None:
+    """For a traceable wrapper subclass around exactly one plain tensor (a DTensor, an async
+    collective's result): how to rebuild it, and that tensor. ``None`` for anything else (several
+    inner tensors, nested wrappers): the engine then holds it as it is, whatever reads it."""
+    if not is_traceable_wrapper_subclass(tensor):
+        return None
+    names, context = tensor.__tensor_flatten__()
+    values = {name: getattr(tensor, name) for name in names}
+    tensors = [name for name, value in values.items() if isinstance(value, torch.Tensor)]
+    if len(tensors) != 1 or not is_dense_tensor(values[tensors[0]]):
+        return None
+    (name,) = tensors
+    others = tuple((n, v) for n, v in values.items() if n != name)
+    return Wrapped(type(tensor), name, others, context, tensor.size(), tensor.stride()), values[name]
+
+
+def wrapper_alias(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Wrapped] | None:
+    """A detached alias of a wrapper subclass output around one plain tensor, that tensor inside
+    the alias, and how to rebuild it: the engine then holds and drops it by that tensor's storage,
+    as a plain output. Only when the alias's inner tensor is a new tensor on the same storage
+    (one more use of it), which the engine's "nothing else references it" rule relies on."""
+    found = single_inner(tensor)
+    if found is None or found[1].device.type == "meta":
+        return None
+    key = storage_key_of(found[1].untyped_storage())
+    before = storage_use_count(key)
+    alias = detach_alias(tensor)
+    again = single_inner(alias)
+    if again is None or storage_key_of(again[1].untyped_storage()) != key:
+        return None
+    if storage_use_count(key) != before + 1:
+        return None
+    return alias, again[1], again[0]
 
 
 @dataclass(eq=False)
@@ -96,16 +161,18 @@ class Entry:
     spec: Any = None
 
 
-def make_placeholder(meta: tuple, observer: Any = None) -> torch.Tensor:
+def make_placeholder(meta: tuple, observer: Any = None, wrapped: Wrapped | None = None) -> torch.Tensor:
     """A stand-in for a dropped output, NaN-filled: a read the engine cannot see (a kernel
     reading raw memory) shows up as NaN, never as a silently wrong gradient. Only floating-point
     outputs are ever dropped. ``observer`` (``actplan verify``'s) is told before it is filled,
-    so the fill, like every later op on it, is known to act on a placeholder."""
+    so the fill, like every later op on it, is known to act on a placeholder. ``wrapped``: the
+    output was a wrapper subclass, rebuilt around the placeholder (``meta`` is its inner's)."""
     size, stride, dtype, device = meta
     out = torch.empty_strided(size, stride, dtype=dtype, device=device)
     if observer is not None:
         observer.placeholder_made(out)
-    return out.fill_(float("nan"))
+    out.fill_(float("nan"))
+    return out if wrapped is None else wrapped.rebuild(out)
 
 
 def inner_tensors(tensor: torch.Tensor):
@@ -118,6 +185,15 @@ def inner_tensors(tensor: torch.Tensor):
         names, _ = tensor.__tensor_flatten__()
         for name in names:
             yield from inner_tensors(getattr(tensor, name))
+
+
+def dense_leaves(args: tuple, kwargs: dict):
+    """An op's plain tensor arguments, looking through wrapper subclasses to their inner tensors."""
+    for leaf in tensor_args(args, kwargs):
+        if is_dense_tensor(leaf):
+            yield leaf
+        else:
+            yield from inner_tensors(leaf)
 
 
 def tensor_args(args: tuple, kwargs: dict):

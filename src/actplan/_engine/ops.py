@@ -69,6 +69,7 @@ class OpTraits(NamedTuple):
     seeded: bool  # may draw random numbers
     dropout_position: int | None  # where its dropout_p argument sits, if it has one
     always_saved: bool  # collective or routing op
+    collective: bool  # moves data between ranks (its floating outputs are held only while read)
     is_to_copy: bool  # may be a device-to-host copy
     mutated: tuple[tuple[int, str], ...]  # (position, name) of arguments written in place
     uninitialized: bool  # returns uninitialised memory (empty, empty_like, ...)
@@ -96,6 +97,7 @@ def op_traits(func) -> OpTraits:
         seeded=seeded,
         dropout_position=next((i for i, a in enumerate(arguments) if a.name == "dropout_p"), None),
         always_saved=func in ROUTING_OPS or getattr(func, "namespace", None) in _COLLECTIVE_NAMESPACES,
+        collective=getattr(func, "namespace", None) in _COLLECTIVE_NAMESPACES,
         is_to_copy=func is _TO_COPY,
         mutated=tuple(
             (position, argument.name)

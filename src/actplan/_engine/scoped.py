@@ -50,11 +50,15 @@ from actplan._engine.held import (
     PhaseContext,
     RegionPhase,
     SegmentMode,
+    Wrapped,
+    dense_leaves,
     inner_tensors,
     is_dense_tensor,
     is_parameter,
     make_placeholder,
+    single_inner,
     tensor_args,
+    wrapper_alias,
 )
 from actplan._engine.interval_plan import IntervalPlan
 from actplan._engine.learnt import HeldReport, LearntLayout, LearntState
@@ -305,7 +309,7 @@ class ScopedRegion(MarkerState):
         if self.pending:
             self._sweep_pending()
         out = func(*args, **kwargs)
-        self._hold(func, out, interval, routing)
+        self._hold(func, out, interval, routing and not traits.collective)
         return out
 
     def _reads_held(self, args, kwargs) -> bool:
@@ -317,7 +321,9 @@ class ScopedRegion(MarkerState):
                 if storage_key_of(leaf.untyped_storage()) in refs:
                     return True
             elif not isinstance(leaf, nn.Parameter):
-                return True  # a tensor subclass: its storage cannot be checked, assume held
+                found = single_inner(leaf)
+                if found is None or storage_key_of(found[1].untyped_storage()) in refs:
+                    return True  # (a subclass whose storage cannot be checked: assume held)
         return False
 
     def _pin_inputs(self, func, traits, args, kwargs) -> None:
@@ -325,10 +331,10 @@ class ScopedRegion(MarkerState):
         for position, name in traits.mutated:
             target = args[position] if position < len(args) else kwargs.get(name)
             if isinstance(target, torch.Tensor):
-                written.add(id(target))
+                written.update(id(inner) for inner in inner_tensors(target))
         refs = self.refs
-        for leaf in tensor_args(args, kwargs):
-            if not is_dense_tensor(leaf) or leaf.device.type == "meta":
+        for leaf in dense_leaves(args, kwargs):
+            if leaf.device.type == "meta":
                 continue
             storage = storage_key_of(leaf.untyped_storage())
             if storage not in refs:
@@ -394,43 +400,59 @@ class ScopedRegion(MarkerState):
         self.rewritten[held.storage] = held
 
     def _hold(self, func, out, interval: MarkerInterval | None, routing: bool) -> None:
-        # Routing, collective and device-to-host outputs are held whatever reads them, and so are
-        # integer and boolean outputs (ids, counts, masks): Python may read those without the
-        # dispatcher seeing it (``counts.tolist()`` for split sizes), and they are small.
         leaves, spec = tree_flatten(out)
         kept: list = []
         for leaf in leaves:
             if is_dense_tensor(leaf) and leaf.device.type != "meta":
-                storage = leaf.untyped_storage()
-                key = storage_key_of(storage)
-                if key not in self.refs:
-                    # A new storage: what was packed or pinned at this address before is gone.
-                    self.packed.discard(key)
-                    self.pinned.pop(key, None)
-                alias = detach_alias(leaf)
-                held = HeldOutput(
-                    value=alias,
-                    interval=interval,
-                    storage=key,
-                    nbytes=storage.nbytes(),
-                    version=tensor_version(alias),
-                    meta=(alias.size(), alias.stride(), alias.dtype, alias.device),
-                    producer=func,
-                    routing=routing,
-                )
-                self.refs[key] = self.refs.get(key, 0) + 1
-                if self.relearn:
-                    self.produced.setdefault(interval, {})[key] = held.nbytes
-                if routing or not (alias.is_floating_point() or alias.is_complex()):
-                    self.held.append(held)
-                else:
-                    self.pending.setdefault(key, []).append(held)
-                kept.append(held)
+                kept.append(self._hold_tensor(func, detach_alias(leaf), leaf, interval, routing, None))
             elif isinstance(leaf, torch.Tensor):
-                kept.append(detach_alias(leaf))  # a tensor subclass: held as it is
+                held = None if routing else self._hold_wrapper(func, leaf, interval)
+                kept.append(detach_alias(leaf) if held is None else held)  # else held as it is
             else:
                 kept.append(leaf)
         self.watched[self.segment].append(Entry(func, kept, spec))
+
+    def _hold_wrapper(self, func, leaf: torch.Tensor, interval: MarkerInterval | None) -> HeldOutput | None:
+        found = wrapper_alias(leaf)
+        if found is None:
+            return None
+        alias, inner, wrapped = found
+        return self._hold_tensor(func, alias, inner, interval, False, wrapped)
+
+    def _hold_tensor(
+        self, func, alias, inner, interval: MarkerInterval | None, routing: bool, wrapped: Wrapped | None
+    ) -> HeldOutput:
+        # Routing and device-to-host outputs are held whatever reads them, and so are integer and
+        # boolean outputs (ids, counts, masks): Python may read those without the dispatcher
+        # seeing it (``counts.tolist()`` for split sizes), and they are small. A collective's
+        # floating-point output is held while read, like a kept op's: dropped, it is not rerun
+        # either (the replay gets a placeholder), and an all-gather read only by the held ``cat``
+        # after it would otherwise be held twice.
+        storage = inner.untyped_storage()
+        key = storage_key_of(storage)
+        if key not in self.refs:
+            # A new storage: what was packed or pinned at this address before is gone.
+            self.packed.discard(key)
+            self.pinned.pop(key, None)
+        held = HeldOutput(
+            value=alias,
+            interval=interval,
+            storage=key,
+            nbytes=storage.nbytes(),
+            version=tensor_version(inner),
+            meta=(inner.size(), inner.stride(), inner.dtype, inner.device),
+            producer=func,
+            routing=routing,
+            wrapped=wrapped,
+        )
+        self.refs[key] = self.refs.get(key, 0) + 1
+        if self.relearn:
+            self.produced.setdefault(interval, {})[key] = held.nbytes
+        if routing or not (inner.is_floating_point() or inner.is_complex()):
+            self.held.append(held)
+        else:
+            self.pending.setdefault(key, []).append(held)
+        return held
 
     def _dead(self, storage: int) -> bool:
         return storage_use_count(storage) <= self.refs[storage] + self.python_refs
@@ -620,9 +642,9 @@ class ScopedRegion(MarkerState):
             return leaf
         value = leaf.value
         if value is None:
-            return make_placeholder(leaf.meta, self.observer)
+            return make_placeholder(leaf.meta, self.observer, leaf.wrapped)
         if not leaf.offloaded and (
-            tensor_version(value) != leaf.version
+            tensor_version(value if leaf.wrapped is None else single_inner(value)[1]) != leaf.version
             or (leaf.aliases and any(tensor_version(a) != v for a, v in leaf.aliases))
         ):
             kept = None if leaf.interval is None else self.plan.describe(leaf.interval)
@@ -649,3 +671,4 @@ class ScopedRegion(MarkerState):
         if changed:
             held = self.rewritten[changed[0]]
             raise rewrite_error(self.layer_name, held.rewritten_by, held.producer)
+

@@ -113,9 +113,11 @@ MODELS = {
 }
 
 
-def build_decoder(kind: str) -> nn.Module:
+def decoder_config(kind: str):
+    """The tiny model's torchtitan config (``build_decoder`` builds it; a tensor-parallel run
+    sets its ``sharding_config``s first)."""
     model_class, layers = MODELS[kind]
-    config = model_class.Config(
+    return model_class.Config(
         dim=DIM,
         vocab_size=VOCAB,
         tok_embeddings=Embedding.Config(
@@ -125,6 +127,10 @@ def build_decoder(kind: str) -> nn.Module:
         lm_head=Linear.Config(in_features=DIM, out_features=VOCAB, param_init=LINEAR),
         layers=layers(),
     )
+
+
+def build_decoder(kind: str, config=None) -> nn.Module:
+    config = decoder_config(kind) if config is None else config
     torch.manual_seed(0)
     model = config.build()
     model.init_states()

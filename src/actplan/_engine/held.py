@@ -111,10 +111,35 @@ class Wrapped:
     context: Any
     size: torch.Size
     stride: tuple[int, ...]
+    placements: tuple | None = None  # a DTensor's (with its device mesh in ``others``)
 
     def rebuild(self, inner: torch.Tensor) -> torch.Tensor:
         inners = {**dict(self.others), self.name: inner}
-        return self.kind.__tensor_unflatten__(inners, self.context, self.size, self.stride)
+        try:
+            return self.kind.__tensor_unflatten__(inners, self.context, self.size, self.stride)
+        except ValueError:
+            # torch 2.13's DTensor unflatten refuses a strided shard with an explicit shard
+            # order (torchtitan's router scores under expert parallelism): a placeholder only
+            # needs the same mesh, placements and shape, which ``from_local`` gives.
+            if self.placements is None:
+                raise
+            from torch.distributed.tensor import DTensor
+
+            mesh = dict(self.others)["device_mesh"]
+            return DTensor.from_local(
+                inner, mesh, self.placements, run_check=False, shape=self.size, stride=self.stride
+            )
+
+    def rebuilds(self, meta: tuple) -> bool:
+        """Whether ``rebuild`` works around a stand-in for the inner tensor (``meta``: its size,
+        stride, dtype): a subclass's ``__tensor_unflatten__`` may not take back what its flatten
+        gave, and the engine then holds the output rather than drop it."""
+        size, stride, dtype, _ = meta
+        try:
+            self.rebuild(torch.empty_strided(size, stride, dtype=dtype, device="meta"))
+        except Exception:  # any refusal: the engine holds the output rather than drop it
+            return False
+        return True
 
 
 def single_inner(tensor: torch.Tensor) -> tuple[Wrapped, torch.Tensor] | None:
@@ -130,7 +155,9 @@ def single_inner(tensor: torch.Tensor) -> tuple[Wrapped, torch.Tensor] | None:
         return None
     (name,) = tensors
     others = tuple((n, v) for n, v in values.items() if n != name)
-    return Wrapped(type(tensor), name, others, context, tensor.size(), tensor.stride()), values[name]
+    placements = getattr(tensor, "placements", None) if "device_mesh" in values else None
+    wrapped = Wrapped(type(tensor), name, others, context, tensor.size(), tensor.stride(), placements)
+    return wrapped, values[name]
 
 
 def wrapper_alias(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Wrapped] | None:

@@ -510,6 +510,9 @@ class ScopedRegion(MarkerState):
 
     def _drop(self, outputs: list[HeldOutput]) -> None:
         for held in outputs:
+            if held.wrapped is not None and not held.wrapped.rebuilds(held.meta):
+                self.held.append(held)  # the replay could not be served a placeholder for it
+                continue
             if held.value is not None:
                 self._release_aliases(held)
                 held.value = None

@@ -14,6 +14,7 @@ gradient path. Checkpointed runs are held to more than that: bit-identical to FS
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import pytest
@@ -240,3 +241,29 @@ def test_compile_must_stay_fullgraph(mesh):
         parallelize(build_model("dense", "tiny").model, mesh, "full", compile={"fullgraph": False})
     with pytest.raises(TypeError, match="compile must be a bool"):
         parallelize(build_model("dense", "tiny").model, mesh, "full", compile="inductor")
+
+
+@pytest.mark.compile
+def test_parallelize_compiles_moe_layers_exactly_and_leaves_no_dynamo_flag_on(mesh):
+    # parallelize(compile=...) sets the data-dependent-shape flags around the compiled layers'
+    # calls (older torch needs them for the per-expert splits; 2.13 traces them without): the
+    # compiled step is exact, and the flags are not left on for the rest of the process.
+    import torch._dynamo
+
+    bundle = build_model("moe", "tiny", n_layers=2, dropout=0.0)
+    batch = bundle.make_batch(0)
+    baseline = copy.deepcopy(bundle.model)
+    expected_loss = baseline(**batch)["loss"]
+    expected_loss.backward()
+    torch._dynamo.reset()
+    model = copy.deepcopy(bundle.model)
+    parallelize(model, mesh, "matmuls", compile={"backend": "aot_eager"})
+    loss = model(**batch)["loss"]
+    loss.backward()
+    assert torch.equal(loss.detach(), expected_loss.detach())
+    grads = {name: p.grad for name, p in baseline.named_parameters()}
+    for name, param in model.named_parameters():
+        assert torch.equal(param.grad.full_tensor(), grads[name]), name
+    assert not torch._dynamo.config.capture_scalar_outputs
+    assert not torch._dynamo.config.capture_dynamic_output_shape_ops
+    torch._dynamo.reset()

@@ -188,3 +188,29 @@ def test_probes_run_on_real_tensors_inside_a_fake_run(fresh_probes):
         internals.probe()
     assert internals._passed == {each.name for each in PROBES}
     assert layer.weight.shape == (4, 4)
+
+
+def test_a_module_compiled_under_a_context_enters_it_on_every_call():
+    from contextlib import contextmanager
+
+    from actplan._torch_internals import compile_module_under, is_compiled_module
+
+    entered = []
+
+    @contextmanager
+    def context():
+        entered.append(torch._dynamo.config.capture_scalar_outputs)
+        yield
+
+    class Doubled(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * 2 + 1
+
+    module = Doubled()
+    compile_module_under(module, {"backend": "eager", "fullgraph": True}, context)
+    assert is_compiled_module(module)
+    x = torch.randn(2, 4)
+    assert torch.equal(module(x), x * 2 + 1)
+    module(x)
+    assert len(entered) == 2
+    torch._dynamo.reset()

@@ -78,6 +78,7 @@ __all__ = [
     "TorchInternalsError",
     "capture_data_dependent_shapes",
     "checkpoint_frame",
+    "compile_module_under",
     "detach_alias",
     "disable_current_modes",
     "in_backward",
@@ -209,6 +210,23 @@ def saved_count(frame: Any) -> int | None:
 
 
 # -- compile ------------------------------------------------------------------------------------
+
+
+def compile_module_under(
+    module: torch.nn.Module, options: dict[str, Any], context: Callable[[], Any]
+) -> None:
+    """``module.compile(**options)``, with every call of the compiled module made inside
+    ``context()``: dynamo reads its config while it traces, at the first call and at each
+    recompile, so flags set around the call (``capture_data_dependent_shapes``) reach it, and
+    they hold for this module's calls only."""
+    module.compile(**options)
+    compiled = module._compiled_call_impl
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with context():
+            return compiled(*args, **kwargs)
+
+    module._compiled_call_impl = call
 
 
 def capture_data_dependent_shapes() -> Any:

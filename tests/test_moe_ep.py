@@ -36,11 +36,14 @@ def results(tmp_path_factory):
     runs = {name: run_two_ranks(WORKER, [plan], out / f"{name}.json") for name, plan in plans.items()}
     for name in ("none", "full", "matmuls"):
         runs[f"fsdp-{name}"] = run_two_ranks(WORKER, [plans[name], "fsdp"], out / f"fsdp-{name}.json")
+    # Each layer compiled (aot_eager) as well: the all-to-all splits are symbolic sizes in the graph.
+    runs["compiled-matmuls"] = run_two_ranks(WORKER, ["matmuls", "fsdp-compile"], out / "compiled.json")
     return runs
 
 
 @pytest.mark.parametrize(
-    "plan", ["none", "full", "matmuls", "experts", "fsdp-none", "fsdp-full", "fsdp-matmuls"]
+    "plan",
+    ["none", "full", "matmuls", "experts", "fsdp-none", "fsdp-full", "fsdp-matmuls", "compiled-matmuls"],
 )
 def test_expert_parallel_matches_one_process(results, plan):
     for rank in results[plan]:
@@ -70,6 +73,12 @@ def test_recompute_replays_no_collective(results, plan, baseline):
         assert rank["backward_topk"] == 0
 
 
+def test_expert_parallel_layers_really_compiled(results):
+    # fullgraph=True: one graph for the dense first layer, one the two MoE layers share.
+    for rank in results["compiled-matmuls"]:
+        assert rank["compiled_graphs"] == 2
+
+
 def test_counting_catches_a_replayed_collective(results):
     # save_collectives: false lets the full replay rerun the router and the exchanges.
     for base, rank in zip(results["none"], results["full-rerouting"], strict=True):
@@ -77,7 +86,7 @@ def test_counting_catches_a_replayed_collective(results):
         assert rank["backward_topk"] > 0
 
 
-@pytest.mark.parametrize("plan", ["none", "full", "matmuls", "fsdp-full", "fsdp-matmuls"])
+@pytest.mark.parametrize("plan", ["none", "full", "matmuls", "fsdp-full", "fsdp-matmuls", "compiled-matmuls"])
 def test_memory_stays_flat_over_20_steps(results, plan):
     for rank in results[plan]:
         live = rank["live_after_step"]

@@ -1,7 +1,9 @@
 """Two-rank expert-parallel MoE worker, launched by tests/test_moe_ep.py under torchrun.
 
-Usage: moe_ep_worker.py PLAN [fsdp] OUT_JSON (PLAN: a preset name or a JSON config;
-with ``fsdp`` the model goes through ``actplan.parallelize`` on a 2-rank mesh).
+Usage: moe_ep_worker.py PLAN [fsdp|fsdp-compile] OUT_JSON (PLAN: a preset name or a JSON
+config; with ``fsdp`` the model goes through ``actplan.parallelize`` on a 2-rank mesh, with
+``fsdp-compile`` also compiling each layer, aot_eager; its collectives are not counted then,
+since a dispatch mode would make dynamo run the compiled layers eagerly).
 Every rank builds the single-process model on the global batch as the reference,
 then the expert-parallel model (experts split over ranks, tokens exchanged with
 all_to_all) on its half of the batch under PLAN, and compares: loss, every
@@ -13,6 +15,7 @@ the findings as JSON.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import json
 import os
@@ -34,7 +37,8 @@ def collectives(counter: OpCounter) -> int:
     return sum(n for op, n in counter.counts.items() if getattr(op, "namespace", "") in COLLECTIVE_NAMESPACES)
 
 
-def main(plan: str, fsdp: bool, out_path: str) -> None:
+def main(plan: str, how: str, out_path: str) -> None:
+    fsdp, compiling = how.startswith("fsdp"), how == "fsdp-compile"
     faulthandler.enable()  # a rank that aborts in C++ still shows its Python stack
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -51,12 +55,13 @@ def main(plan: str, fsdp: bool, out_path: str) -> None:
     model, _ = moe.build("tiny", ep_group=dist.group.WORLD, **config_overrides)
     config_arg = json.loads(plan) if plan.startswith("{") else plan
     if fsdp:
-        actplan.parallelize(model, init_device_mesh("cpu", (world,)), config_arg)
+        compile_options = {"backend": "aot_eager"} if compiling else False
+        actplan.parallelize(model, init_device_mesh("cpu", (world,)), config_arg, compile=compile_options)
     elif plan != "none":
         actplan.apply(model, config_arg)
-    with OpCounter() as forward_ops:
+    with contextlib.nullcontext(OpCounter()) if compiling else OpCounter() as forward_ops:
         out = model(**mine)
-    with OpCounter() as backward_ops:
+    with contextlib.nullcontext(OpCounter()) if compiling else OpCounter() as backward_ops:
         out["loss"].backward()
 
     loss = out["loss"].detach().clone()
@@ -94,7 +99,7 @@ def main(plan: str, fsdp: bool, out_path: str) -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     optimizer.zero_grad(set_to_none=True)
     live_after_step = []
-    with MemoryMeter(model, optimizer) as meter:
+    with MemoryMeter(model, optimizer, run_compiled=compiling) as meter:
         for _ in range(20):
             model(**mine)["loss"].backward()
             optimizer.step()
@@ -114,6 +119,7 @@ def main(plan: str, fsdp: bool, out_path: str) -> None:
         "backward_topk": backward_ops[torch.ops.aten.topk.default],
         "live_after_step": live_after_step,
         "peak_live_bytes": meter.report().peak_live_bytes,
+        "compiled_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"] if compiling else 0,
     }
     gathered = [None] * world
     dist.all_gather_object(gathered, results)
@@ -131,4 +137,4 @@ def main(plan: str, fsdp: bool, out_path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2] == "fsdp", sys.argv[-1])
+    main(sys.argv[1], sys.argv[2] if len(sys.argv) > 3 else "", sys.argv[-1])

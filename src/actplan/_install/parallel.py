@@ -90,8 +90,8 @@ def parallelize(
     tensor-parallel group sends the same tokens, so the sum counts them ``tp`` times and the
     division by the world size still gives the data-parallel average). They are not put in
     FSDP groups of their own either: such a group's unshard would run inside the
-    checkpointed layer, where the replay would meet it. Expert-parallel layers
-    cannot be compiled yet (their per-expert splits are data-dependent).
+    checkpointed layer, where the replay would meet it. Compiled, an expert-parallel
+    layer's all-to-all splits become symbolic sizes in its one graph.
 
     Args:
         model: the model, unsharded, with its parameters already on the mesh's
@@ -138,7 +138,7 @@ def parallelize(
     if compile_options is not None:
         _reject_compiled_offload(config)
     dp_mesh, tp_mesh = _check_inputs(model, mesh, tp_plan, sequence_parallel)
-    expert_params = _expert_parallel_params(model, mesh, compile_options is not None)
+    expert_params = _expert_parallel_params(model, mesh)
     styles = None
     if tp_mesh is not None and tp_plan is not None:
         styles = resolve_tp_plan(model, tp_mesh, tp_plan, sequence_parallel)
@@ -182,16 +182,11 @@ def _reject_compiled_offload(config: RecomputeConfig | dict[str, Any] | str | Pa
         )
 
 
-def _expert_parallel_params(model: nn.Module, mesh: DeviceMesh, compiling: bool) -> set[nn.Parameter]:
+def _expert_parallel_params(model: nn.Module, mesh: DeviceMesh) -> set[nn.Parameter]:
     """Parameters of modules that hold this rank's own experts (checked against the mesh)."""
     expert_modules = [m for m in model.modules() if getattr(m, "expert_parallel_group", None) is not None]
     if not expert_modules:
         return set()
-    if compiling:
-        raise ValueError(
-            "expert-parallel layers cannot be compiled with fullgraph=True yet: their per-expert "
-            "token splits are data-dependent; call parallelize with compile=False"
-        )
     groups = {id(m.expert_parallel_group): m.expert_parallel_group for m in expert_modules}
     if len(groups) != 1:
         raise ValueError("every expert-parallel module must use the same expert-parallel process group")

@@ -289,6 +289,42 @@ def test_routing_inside_a_kept_unit_never_reruns_and_parameters_are_free_inputs(
     assert policy.held_reports()["L"].held == {interval: 5 * 8 * 4}  # h only; x * scale reruns
 
 
+class CastOfAKeptGemm(nn.Module):
+    """A kept GEMM and a cheap op on its output, both read again by the recomputed tail."""
+
+    recompute_intervals = RecomputeIntervalMap({"mlp_up": MarkerInterval("a", "b")})
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8, bias=False)
+
+    def forward(self, x):
+        checkpoint_record("a")
+        h = self.lin(x)
+        doubled = h.to(torch.float64)  # cheap, held because it reads the held GEMM output
+        checkpoint_record("b")
+        return (torch.tanh(h).double() * torch.sin(doubled)).sum()
+
+
+def test_a_cheap_op_on_a_held_output_reruns_rather_than_holding_both():
+    # h is held (the recomputed tanh reads it); the cast reads only h, so the replay reruns it
+    # from h: holding its output too would hold both, where autograd keeps each once.
+    torch.manual_seed(0)
+    layer = CastOfAKeptGemm()
+    x = torch.randn(5, 8, requires_grad=True)
+    want = torch.autograd.grad(layer(x), [x, layer.lin.weight])
+    imap = CastOfAKeptGemm.recompute_intervals
+    policy = IntervalPolicy(imap, imap.intervals_of(["mlp_up"]), layer_name="L")
+    apply_gradient_checkpointing(layer, policy=policy, name="L")
+    (interval,) = imap.intervals_of(["mlp_up"])
+    for _ in range(2):  # the learning call, then the learnt path
+        with OpCounter() as counter:
+            got = torch.autograd.grad(layer(x), [x, layer.lin.weight])
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+        assert policy.held_reports()["L"].held == {interval: 5 * 8 * 4}  # h only (before: + 5 x 8 x 8)
+        assert counter[torch.ops.aten.mm.default] == 3  # the GEMM once, its two gradients
+
+
 def test_mutation_messages_offer_only_fixes_that_work():
     from actplan._engine.region import mutation_error
 

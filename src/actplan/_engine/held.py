@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
+from torch import nn
 
 from actplan._engine.ops import IGNORED_OPS
 from actplan._torch_internals import (
@@ -221,6 +222,23 @@ def dense_leaves(args: tuple, kwargs: dict):
             yield leaf
         else:
             yield from inner_tensors(leaf)
+
+
+def input_storages(args: tuple, kwargs: dict) -> tuple[int, ...] | None:
+    """The storages of an op's tensor arguments other than parameters (and their views), looking
+    through one-tensor wrapper subclasses; ``None`` if one is a subclass it cannot look into."""
+    keys = []
+    for leaf in tensor_args(args, kwargs):
+        if isinstance(leaf, nn.Parameter):
+            continue
+        if not is_dense_tensor(leaf):
+            found = single_inner(leaf)
+            if found is None:
+                return None
+            leaf = found[1]
+        if not is_parameter(leaf):
+            keys.append(storage_key_of(leaf.untyped_storage()))
+    return tuple(keys)
 
 
 def tensor_args(args: tuple, kwargs: dict):

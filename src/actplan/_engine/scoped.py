@@ -25,6 +25,9 @@ What is held
       storage: at each kept op and when the segment closes, an unreferenced storage that
       nothing packed or pinned is dropped, since nothing can read it any more.
 
+    A cheap op held only because it read a held output is rerun in the replay instead when
+    everything it read stays held: holding its output too would hold both.
+
     What is still referenced when its segment closes is held, unless no tensor was saved
     for backward after that point: the replay stops at the last saved tensor
     (``early_stop``), so nothing after it reruns. A dropped output costs nothing: in the
@@ -53,6 +56,7 @@ from actplan._engine.held import (
     Wrapped,
     dense_leaves,
     inner_tensors,
+    input_storages,
     is_dense_tensor,
     is_parameter,
     make_placeholder,
@@ -150,6 +154,9 @@ class ScopedRegion(MarkerState):
         # in the replay, the version at which autograd first saved each served copy.
         self.rewritten: dict[int, HeldOutput] = {}
         self.saved_versions: dict[int, tuple[torch.Tensor, int]] = {}
+        # Cheap ops held because they read a held output, with their inputs' storages: rerun
+        # in the replay instead when every input stays held (``_rerun_cheap_ops``).
+        self.cheap: list[tuple[Entry, list[list[HeldOutput]]]] = []
 
     def contexts(self) -> tuple[PhaseContext, PhaseContext]:
         """``torch.utils.checkpoint``'s ``context_fn`` result: (forward, replay)."""
@@ -309,8 +316,30 @@ class ScopedRegion(MarkerState):
         if self.pending:
             self._sweep_pending()
         out = func(*args, **kwargs)
-        self._hold(func, out, interval, routing and not traits.collective)
+        entry = self._hold(func, out, interval, routing and not traits.collective)
+        if interval is not None and not traits.expensive and not routing:
+            self._note_cheap(entry, args, kwargs)
         return out
+
+    def _note_cheap(self, entry: Entry, args, kwargs) -> None:
+        # The held outputs this cheap op read, by identity: a storage address names one live
+        # storage now, but may name another by the time the forward ends.
+        keys = input_storages(args, kwargs)
+        if keys is None:
+            return
+        holders = []
+        for key in keys:
+            if key not in self.refs:
+                continue  # not held: the replay recomputes it, or it is the layer's input
+            found = [
+                h
+                for h in (*self.pending.get(key, ()), *self.undecided.get(key, ()), *self.held)
+                if h.storage == key and h.value is not None
+            ]
+            if not found:
+                return
+            holders.append(found)
+        self.cheap.append((entry, holders))
 
     def _reads_held(self, args, kwargs) -> bool:
         refs = self.refs
@@ -399,7 +428,7 @@ class ScopedRegion(MarkerState):
         held.rewritten_by = func
         self.rewritten[held.storage] = held
 
-    def _hold(self, func, out, interval: MarkerInterval | None, routing: bool) -> None:
+    def _hold(self, func, out, interval: MarkerInterval | None, routing: bool) -> Entry:
         leaves, spec = tree_flatten(out)
         kept: list = []
         for leaf in leaves:
@@ -410,7 +439,9 @@ class ScopedRegion(MarkerState):
                 kept.append(detach_alias(leaf) if held is None else held)  # else held as it is
             else:
                 kept.append(leaf)
-        self.watched[self.segment].append(Entry(func, kept, spec))
+        entry = Entry(func, kept, spec)
+        self.watched[self.segment].append(entry)
+        return entry
 
     def _hold_wrapper(self, func, leaf: torch.Tensor, interval: MarkerInterval | None) -> HeldOutput | None:
         found = wrapper_alias(leaf)
@@ -513,14 +544,41 @@ class ScopedRegion(MarkerState):
             if held.wrapped is not None and not held.wrapped.rebuilds(held.meta):
                 self.held.append(held)  # the replay could not be served a placeholder for it
                 continue
-            if held.value is not None:
-                self._release_aliases(held)
-                held.value = None
-                count = self.refs[held.storage] - 1
-                if count:
-                    self.refs[held.storage] = count
-                else:
-                    del self.refs[held.storage]
+            self._release(held)
+
+    def _release(self, held: HeldOutput) -> None:
+        if held.value is not None:
+            self._release_aliases(held)
+            held.value = None
+            count = self.refs[held.storage] - 1
+            if count:
+                self.refs[held.storage] = count
+            else:
+                del self.refs[held.storage]
+
+    def _rerun_cheap_ops(self) -> None:
+        # A cheap op is held when it reads a held output. If what it read stays held, the replay
+        # can rerun it from that: holding its output too would hold both (a dtype cast and the
+        # tensor it casts) where autograd keeps one. Forward order: an op that read a rerun
+        # op's output keeps its own output held.
+        changed = False
+        for entry, holders in self.cheap:
+            outputs = [leaf for leaf in entry.leaves or () if isinstance(leaf, HeldOutput)]
+            if not outputs or any(
+                o.value is None or o.routing or not o.meta[2].is_floating_point for o in outputs
+            ):
+                continue
+            if not all(any(h.value is not None for h in found) for found in holders):
+                continue
+            if any(o is h for o in outputs for found in holders for h in found):
+                continue
+            for output in outputs:
+                self._release(output)
+            entry.leaves = entry.spec = None
+            changed = True
+        self.cheap.clear()
+        if changed:
+            self.held = [h for h in self.held if h.value is not None]
 
     def _saved_so_far(self) -> int | None:
         return None if self.frame is None else saved_count(self.frame)
@@ -542,6 +600,8 @@ class ScopedRegion(MarkerState):
             self._drop(outputs)
         self.undecided.clear()
         self.held = [h for h in self.held if h.value is not None]
+        if self.cheap:
+            self._rerun_cheap_ops()
         if self.relearn:
             # Inert: watched here and ran only views, or known inert before this call left the path.
             inert = {s for s in self.watched if s not in self.busy_segments}
@@ -668,6 +728,7 @@ class ScopedRegion(MarkerState):
             self.held.clear()
             self.pending.clear()
             self.undecided.clear()
+            self.cheap.clear()
             self.refs.clear()
             self.watched.clear()
         self.phase = RegionPhase.DONE if self.phase is _REPLAY else RegionPhase.FORWARD_DONE

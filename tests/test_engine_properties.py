@@ -720,17 +720,9 @@ class DownReusesUpsStorage(nn.Module):
         return torch.sin(w)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "engine bug: ScopedRegion's per-call bookkeeping is keyed by storage address "
-        "(saved_in, produced, packed, exposed, pinned); a storage that dies mid-call and whose "
-        "address a later storage reuses is taken for it. Here up's dropped output counts as saved "
-        "because down's output, at the same address, is: mlp_up's autograd figure is 256 bytes "
-        "instead of 128 (tanh's output only), depending on where the allocator puts things"
-    ),
-)
 def test_a_unit_autograd_figure_does_not_count_a_dead_storage_whose_address_was_reused():
+    # The per-call bookkeeping is keyed by storage address: a dropped output's entry goes when
+    # it is dropped, so a later output at the same address is not taken for it.
     torch.manual_seed(0)
     figures = []
     for _ in range(5):  # the allocator reuses the address almost always; one call could miss it

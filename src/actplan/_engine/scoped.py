@@ -544,6 +544,9 @@ class ScopedRegion(MarkerState):
             if held.wrapped is not None and not held.wrapped.rebuilds(held.meta):
                 self.held.append(held)  # the replay could not be served a placeholder for it
                 continue
+            if self.relearn and held.value is not None:
+                # Dropped: nothing saved it, and its storage's address may come back for another.
+                self.produced.get(held.interval, {}).pop(held.storage, None)
             self._release(held)
 
     def _release(self, held: HeldOutput) -> None:

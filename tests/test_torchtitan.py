@@ -412,16 +412,23 @@ def test_a_plan_on_the_decoder_then_on_the_module_around_it_hooks_each_block_onc
 
 @pytest.mark.slow
 @pytest.mark.compile
-def test_blocks_compiled_by_torchtitan_after_the_plan_stay_exact(monkeypatch):
+def test_blocks_compiled_by_torchtitan_after_the_plan_stay_exact():
     # torchtitan's apply_compile: each block, fullgraph=True, after AC. It sets two dynamo
     # flags for the whole process (the second lets the "projected" marker's bookkeeping run
-    # inside a checkpoint); monkeypatch puts them back afterwards.
+    # inside a checkpoint); dynamo's own config.patch puts them back afterwards (pytest's
+    # monkeypatch on dynamo's config module deletes them instead, breaking later tests).
     from torchtitan.config import CompileConfig
     from torchtitan.distributed import ParallelDims
     from torchtitan.distributed.compile import apply_compile
 
-    for flag in ("capture_scalar_outputs", "skip_fwd_side_effects_in_bwd_under_checkpoint"):
-        monkeypatch.setattr(torch._dynamo.config, flag, getattr(torch._dynamo.config, flag))
+    flags = ("capture_scalar_outputs", "skip_fwd_side_effects_in_bwd_under_checkpoint")
+    restore = torch._dynamo.config.patch({flag: getattr(torch._dynamo.config, flag) for flag in flags})
+    with restore:
+        _compile_after_the_plan_and_check(apply_compile, CompileConfig, ParallelDims)
+    assert all(hasattr(torch._dynamo.config, flag) for flag in flags)
+
+
+def _compile_after_the_plan_and_check(apply_compile, CompileConfig, ParallelDims) -> None:
     model, batch = build("llama3"), make_batch(0)
     baseline, _ = step(copy.deepcopy(model), batch)  # eager, no checkpointing
     actplan.apply_to_torchtitan(model.decoder, "matmuls")

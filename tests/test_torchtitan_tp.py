@@ -204,7 +204,7 @@ def test_backward_replays_no_collective(runs, model, mesh, config):
 EP_MATMULS = ("deepseek_v3", "dp2tp2", "matmuls")
 EP_MATMULS_HOLD_MORE = pytest.mark.xfail(
     strict=True,
-    reason="matmuls on deepseek_v3 with EP=2 holds 0.6% more than none (an fp32 cast held, not its bf16 input)",
+    reason="matmuls on deepseek_v3 with EP=2 holds 0.6% more than none (an fp32 cast held, not its input)",
 )
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager
 from functools import partial
 from types import FunctionType, MethodType
 from typing import Any
@@ -294,8 +295,17 @@ def titan_version() -> str | None:
         return None
 
 
+def titan_ac_root(model: nn.Module) -> nn.Module:
+    """The module whose ``layers`` torchtitan's AC wraps: the decoder of a torchtitan model under
+    the bench's loss wrapper (``bench.peers.titan.TitanLM``), else the model itself (our
+    reference models keep their blocks in ``layers`` too)."""
+    decoder = getattr(model, "decoder", None)
+    return decoder if isinstance(decoder, nn.Module) and hasattr(decoder, "layers") else model
+
+
 def titan_sac_installer(model: nn.Module) -> str:
-    """torchtitan's own ``SelectiveAC`` (its default config) applied to ``model.layers``.
+    """torchtitan's own ``SelectiveAC`` (its default config) applied to the model's ``layers``
+    (a torchtitan model's decoder's, see ``titan_ac_root``).
 
     Its save list names the GPU attention kernels; ``get_save_ops``, the extension point
     torchtitan documents for this, adds the CPU kernel so attention is kept here as it would be
@@ -308,7 +318,7 @@ def titan_sac_installer(model: nn.Module) -> str:
         def get_save_ops(self) -> set:
             return super().get_save_ops() | ATTENTION_KERNELS
 
-    SelectiveACOnCPU(SelectiveAC.Config()).apply(model)
+    SelectiveACOnCPU(SelectiveAC.Config()).apply(titan_ac_root(model))
     return (
         f"torchtitan {titan_version()} SelectiveAC, default config (compute-intensive ops, attention, "
         "collectives, every other mm), CPU attention kernel added to its save list"
@@ -328,7 +338,7 @@ COMPILE_BUDGETS = (0.1, 0.3, 0.5, 0.7, 1.0)
 (the partitioner optimises runtime alone, and already recomputes cheap ops)."""
 
 
-def _budget_backend(budget: float) -> Callable:
+def budget_backend(budget: float) -> Callable:
     """``aot_eager`` partitioning under ``activation_memory_budget=budget``.
 
     The partitioner reads the budget when it splits the joint graph, during compilation, so the
@@ -350,7 +360,15 @@ def _call(forward: Callable, *args: Any, **kwargs: Any) -> Any:
 _ISOLATE_RECOMPILES = "isolate_recompiles" in inspect.signature(torch.compile).parameters
 
 
-def compile_layers(model: nn.Module, backend: str | Callable, *, fullgraph: bool) -> None:
+DynamoFlags = Callable[[], AbstractContextManager[Any]] | None
+"""A context that sets the dynamo flags a model's layers need to compile (None: none needed);
+entered around every call of a compiled layer, so a recompile gets them too, and no other row
+(or test in the same process) inherits them."""
+
+
+def compile_layers(
+    model: nn.Module, backend: str | Callable, *, fullgraph: bool, flags: DynamoFlags = None
+) -> None:
     """Compile every layer's forward through one ``torch.compile`` call for this model.
 
     Dynamo caches compiled graphs on the code object and does not tell backends apart, so a
@@ -358,7 +376,7 @@ def compile_layers(model: nn.Module, backend: str | Callable, *, fullgraph: bool
     one's budget. ``isolate_recompiles=True`` gives this model's call its own cache: its layers
     share graphs with each other (as ``layer.compile`` would) and with no other model. Torch
     before 2.13 has no such option; there the call compiles its own copy of ``_call``'s code
-    object, on which Dynamo keeps the cache.
+    object, on which Dynamo keeps the cache. ``flags``: see ``DynamoFlags``.
     """
     if _ISOLATE_RECOMPILES:
         compiled = torch.compile(_call, backend=backend, fullgraph=fullgraph, isolate_recompiles=True)
@@ -368,17 +386,27 @@ def compile_layers(model: nn.Module, backend: str | Callable, *, fullgraph: bool
     for _, layer in find_layers(model):
         forward = layer.forward
 
-        def wrapped(*args, _forward=forward, **kwargs):
-            return compiled(_forward, *args, **kwargs)
+        if flags is None:
+
+            def wrapped(*args, _forward=forward, **kwargs):
+                return compiled(_forward, *args, **kwargs)
+
+        else:
+
+            def wrapped(*args, _forward=forward, **kwargs):
+                with flags():
+                    return compiled(_forward, *args, **kwargs)
 
         layer.forward = wrapped
 
 
-def compile_budget_installer(budget: float, *, fullgraph: bool) -> Callable[[nn.Module], str]:
+def compile_budget_installer(
+    budget: float, *, fullgraph: bool, flags: DynamoFlags = None
+) -> Callable[[nn.Module], str]:
     """Each layer compiled with ``activation_memory_budget=budget``; no checkpointing."""
 
     def install(model: nn.Module) -> str:
-        compile_layers(model, _budget_backend(budget), fullgraph=fullgraph)
+        compile_layers(model, budget_backend(budget), fullgraph=fullgraph, flags=flags)
         return (
             f"torch.compile per layer ({COMPILE_BACKEND}, fullgraph={fullgraph}), "
             f"torch._functorch.config.activation_memory_budget={budget}"
@@ -387,12 +415,16 @@ def compile_budget_installer(budget: float, *, fullgraph: bool) -> Callable[[nn.
     return install
 
 
-def compiled_actplan_installer(config: RecomputeConfig) -> Callable[[nn.Module], str]:
-    """actplan's plan, then every layer compiled with ``fullgraph=True`` (docs/compile.md)."""
+def compiled_actplan_installer(
+    config: RecomputeConfig, *, flags: DynamoFlags = None, plan: Callable[..., Any] = apply
+) -> Callable[[nn.Module], str]:
+    """actplan's plan (``plan(model, config)``: ``actplan.apply``, or the torchtitan model's
+    installer), then every layer compiled with ``fullgraph=True`` (docs/compile.md), under the
+    model's dynamo ``flags``."""
 
     def install(model: nn.Module) -> str:
-        summary = apply(model, config).summary()
-        compile_layers(model, COMPILE_BACKEND, fullgraph=True)
+        summary = plan(model, config).summary()
+        compile_layers(model, COMPILE_BACKEND, fullgraph=True, flags=flags)
         return f"{summary}\nlayers compiled ({COMPILE_BACKEND}, fullgraph=True)"
 
     return install

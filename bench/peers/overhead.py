@@ -22,9 +22,12 @@ from actplan.evaluate.contenders import (
     torch_checkpoint_installer,
 )
 from actplan.measure import interleaved_timing
-from actplan.models import build_model, train_step
+from actplan.models import train_step
 from bench.peers.methods import op_sac_matmuls_installer, remat_installer
-from bench.peers.rows import titan_entry
+from bench.peers.rows import TITAN_MODELS, actplan_installer, build_bench_model, titan_entry
+from bench.peers.titan import titan_peer_entries
+
+PRESETS = ("none", "full", "attn", "matmuls")
 
 OVERHEAD_ROWS: tuple[tuple[str, Callable[[], Installer]], ...] = (
     ("none", lambda: config_installer(RecomputeConfig.from_preset("none"))),
@@ -47,6 +50,9 @@ OVERHEAD_PAIRS = (
 """(actplan row, peer row) pairs whose per-layer CPU overheads are compared; these peers save the
 same regions as actplan. The torchtitan row (``titan_entry``), which saves a different set, is
 added to the rows and paired with ``matmuls``."""
+TITAN_OVERHEAD_PAIRS = (("full", "titan-full"), ("matmuls", "titan-sac"))
+"""On torchtitan's model: actplan's ``full`` against torchtitan's FullAC (the same work), and
+``matmuls`` against its SelectiveAC (a different save set, as on our models)."""
 
 
 def cpu_overhead(
@@ -65,10 +71,18 @@ def cpu_overhead(
     ``pairs`` (default: every pair above and the torchtitan row) also chooses the rows: those
     the pairs name, and ``none``.
     """
-    bundle = build_model(model, "tiny", n_layers=layers)
+    bundle = build_bench_model(model, "tiny", n_layers=layers)
     batch = bundle.make_batch(0)
     device = torch.device("cpu")
-    if pairs is None:
+    if model in TITAN_MODELS:
+        pairs = pairs or TITAN_OVERHEAD_PAIRS
+        named = {"none", *(name for pair in pairs for name in pair)}
+        titan_rows = [
+            *((preset, actplan_installer(model, RecomputeConfig.from_preset(preset))) for preset in PRESETS),
+            *titan_peer_entries(),
+        ]
+        rows = [(name, install) for name, install in titan_rows if name in named]
+    elif pairs is None:
         titan_name, titan_install, _ = titan_entry()
         rows = [*((name, make()) for name, make in OVERHEAD_ROWS), (titan_name, titan_install)]
         pairs = (*OVERHEAD_PAIRS, ("matmuls", titan_name))

@@ -30,7 +30,8 @@ def to_markdown(out: dict[str, Any]) -> str:
         *_plans(out),
         *_overhead_tables(out),
     ]
-    lines += ["", f"![Pareto plot](peers_{out['model_name']}_{out['size']}.png)", ""]
+    stem = out.get("stem") or f"peers_{out['model_name']}_{out['size']}"
+    lines += ["", f"![Pareto plot]({stem}.png)", ""]
     return "\n".join(lines)
 
 
@@ -46,6 +47,11 @@ def _header(out: dict[str, Any]) -> list[str]:
         "rounds, median and interquartile spread of the ratio to `none`",
         f"- torchtitan: {out['torchtitan']}",
     ]
+    if out.get("settings_off_default"):
+        lines.append(
+            "- settings off the defaults (chosen to fit this run on the machine): "
+            + "; ".join(out["settings_off_default"])
+        )
     if out["compile_backend"]:
         lines.append(
             f'- compiled rows: each layer compiled with `backend="{out["compile_backend"]}"`; parity '
@@ -144,7 +150,12 @@ def _goals(out: dict[str, Any]) -> list[str]:
     lines = ["", "## Goals", ""]
     for g in out["goals"]:
         value = "-" if g["value"] is None else f"{g['value']:.3f}"
-        lines.append(f"- {'met' if g['met'] else 'NOT met'}: {g['goal']} (measured {value})")
+        note = ""
+        if g.get("missed_by") is not None:
+            note = f"; missed by {g['missed_by'] * 100:.1f} percentage points"
+        elif g.get("undefined"):
+            note = f"; undefined: {g['undefined']}"
+        lines.append(f"- {'met' if g['met'] else 'NOT met'}: {g['goal']} (measured {value}{note})")
     return lines
 
 
@@ -222,8 +233,11 @@ def write_plot(out: dict[str, Any], path: Path) -> None:
 def _plot_rows(ax: Any, rows: list[dict[str, Any]]) -> None:
     """Every measured row as a point in its kind's style; the peers and the baseline named."""
     seen = set()
+    titan_budget = any(r["name"].startswith("titan-memory-budget") for r in rows)
     for r in rows:
         marker, color, label = PLOT_STYLES[r["kind"]]
+        if titan_budget and r["kind"] == "automatic-peer":
+            label = f"torchtitan's MemoryBudgetAC, blocks compiled ({COMPILE_BACKEND})"
         ax.plot(
             r["peak_bytes"] / 2**20,
             r["ratio_to_none"],

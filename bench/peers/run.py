@@ -18,13 +18,12 @@ from actplan.evaluate.bench import machine_summary, policy_config
 from actplan.evaluate.contenders import (
     Contender,
     Installer,
-    config_installer,
     policy_rows,
     prepare_contender,
     time_contenders,
 )
 from actplan.measure import TimingStats, compare_steps
-from actplan.models import ModelBundle, build_model
+from actplan.models import ModelBundle
 from actplan.planning.budget import pareto_points
 from actplan.planning.cache import get_profile
 from actplan.planning.profile import ModelProfile
@@ -32,18 +31,22 @@ from bench.peers.compare import SAME_MEMORY, PlannedRow, compare, evaluate_goals
 from bench.peers.methods import (
     COMPILE_BACKEND,
     COMPILE_BUDGETS,
-    compile_budget_installer,
-    compiled_actplan_installer,
     remat_version,
     rockmate_unavailable,
+    titan_version,
 )
 from bench.peers.overhead import cpu_overhead
 from bench.peers.rows import (
     ACTPLAN_PRESETS,
     COMPILED_MODELS,
     COMPILED_PRESETS,
+    TITAN_MODEL_SKIPS,
+    TITAN_MODELS,
+    actplan_installer,
     allow_compile_noise,
-    compile_peer_name,
+    automatic_peer_entries,
+    build_bench_model,
+    compiled_installer,
     peer_entries,
     titan_entry,
 )
@@ -82,9 +85,9 @@ def run_model(
     progress: Callable[[str], None],
     compile_budgets: tuple[float, ...] = COMPILE_BUDGETS,
 ) -> dict[str, Any]:
-    bundle = build_model(model, size)
+    bundle = build_bench_model(model, size)
     batch = bundle.make_batch(0)
-    skipped, titan_source = _skipped_peers(bundle, batch, f"{model} {size}", progress)
+    skipped, titan_source = _skipped_peers(bundle, model, batch, f"{model} {size}", progress)
     rows = _Rows(bundle, batch, f"{model} {size}", progress)
     _add_eager_rows(rows, model)
     compile_floor = _add_compiled_rows(rows, model, compile_budgets)
@@ -118,14 +121,22 @@ def run_model(
 
 
 def _skipped_peers(
-    bundle: ModelBundle, batch: dict[str, torch.Tensor], label: str, progress: Callable[[str], None]
+    bundle: ModelBundle,
+    model: str,
+    batch: dict[str, torch.Tensor],
+    label: str,
+    progress: Callable[[str], None],
 ) -> tuple[list[dict[str, str]], str]:
     """The peers that give no row here, with why (rockmate always; torchtitan where it does not
-    import), and where the torchtitan row comes from."""
+    import; on torchtitan's model, the peers that need our model classes), and where the
+    torchtitan rows come from."""
     rockmate_reason = rockmate_unavailable(bundle.model, batch)
     skipped: list[dict[str, str]] = [{"peer": "rockmate", "reason": rockmate_reason}]
     titan_name, _, titan_source = titan_entry()
-    if titan_name != "titan-sac":
+    if model in TITAN_MODELS:
+        titan_source = f"torchtitan {titan_version()}: its own model, FullAC, SelectiveAC and MemoryBudgetAC"
+        skipped += TITAN_MODEL_SKIPS
+    elif titan_name != "titan-sac":
         skipped.append({"peer": "torchtitan's own AC", "reason": titan_source})
     for entry in skipped:
         progress(f"{label}: skipping {entry['peer']}: {entry['reason']}")
@@ -134,12 +145,14 @@ def _skipped_peers(
 
 def _add_eager_rows(rows: _Rows, model: str) -> None:
     """``none``, the peers, then actplan's presets."""
-    entries: list[tuple[str, Installer]] = [("none", config_installer(RecomputeConfig.from_preset("none")))]
+    entries: list[tuple[str, Installer]] = [
+        ("none", actplan_installer(model, RecomputeConfig.from_preset("none")))
+    ]
     for name, install in peer_entries(model):
         entries.append((name, install))
         rows.kinds[name] = "peer"
     for preset in ACTPLAN_PRESETS:
-        entries.append((preset, config_installer(policy_config(preset))))
+        entries.append((preset, actplan_installer(model, policy_config(preset))))
         rows.kinds[preset] = "preset"
     for name, install in entries:
         rows.prepare(name, install)
@@ -150,14 +163,13 @@ def _add_compiled_rows(rows: _Rows, model: str, compile_budgets: tuple[float, ..
     whole, actplan's presets with compiled layers; returns the noise floor (None: no compiled rows)."""
     if not compile_budgets:
         return None
-    compiled_layers = model in COMPILED_MODELS
+    # 1.0 first: the noise floor
     entries = [
-        (compile_peer_name(b), compile_budget_installer(b, fullgraph=compiled_layers), "automatic-peer")
-        for b in sorted(set(compile_budgets) | {1.0}, reverse=True)  # 1.0 first: the noise floor
+        (name, install, "automatic-peer") for name, install in automatic_peer_entries(model, compile_budgets)
     ]
-    if compiled_layers:
+    if model in COMPILED_MODELS:
         entries += [
-            (f"{preset}, compiled", compiled_actplan_installer(policy_config(preset)), "compiled")
+            (f"{preset}, compiled", compiled_installer(model, policy_config(preset)), "compiled")
             for preset in COMPILED_PRESETS
         ]
     compile_floor = None
@@ -179,12 +191,12 @@ def _add_plan_rows(
     planned, infeasible = plan_rows(profile, peers)
     for plan in planned:
         config = RecomputeConfig.from_dict(plan.config, source=plan.name)
-        rows.prepare(plan.name, config_installer(config))
+        rows.prepare(plan.name, actplan_installer(model, config))
         rows.kinds[plan.name] = "plan"
         automatic = any(rows.kinds[peer] == "automatic-peer" for peer in plan.for_peers)
         if model in COMPILED_MODELS and automatic and not plan.offload_allowed:
             name = f"{plan.name}, compiled"
-            contender = rows.prepare(name, compiled_actplan_installer(config), compiled=True)
+            contender = rows.prepare(name, compiled_installer(model, config), compiled=True)
             allow_compile_noise(contender, compile_floor)
             rows.kinds[name] = "compiled"
     return planned, infeasible

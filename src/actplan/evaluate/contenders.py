@@ -20,7 +20,7 @@ from torch.utils.checkpoint import checkpoint
 
 from actplan._engine.offload import quiet_empty_offload
 from actplan._install.apply import apply, find_layers, held_by_unit, offload_engine
-from actplan.config import RecomputeConfig
+from actplan.config import ConfigError, RecomputeConfig
 from actplan.measure import (
     GradCensus,
     MemoryMeter,
@@ -206,11 +206,21 @@ def _metered_step(contender: Contender, batch: dict[str, torch.Tensor], compiled
     if engine is not None:
         stats = engine.snapshot()
         contender.moved = (stats.host_peak_bytes, stats.bytes_offloaded, stats.bytes_reloaded)
-    contender.held_by_unit = held_by_unit(model) or None
+    contender.held_by_unit = _held_by_unit(model)
     contender.activation_bytes = report.marks["forward_end"].activation_bytes
     contender.peak_bytes = report.peak_bytes
     contender.cuda_max_allocated_bytes = report.cuda_max_allocated_bytes
     contender.param_bytes = report.param_bytes
+
+
+def _held_by_unit(model: nn.Module) -> dict[str, dict[str, int]] | None:
+    """``held_by_unit`` of a row's model; None when nothing is held per unit, or when another
+    tool's checkpointing wraps the layers (torchtitan's FullAC and SelectiveAC put each block in a
+    ``checkpoint_wrapper``, which ``find_layers`` refuses: no actplan layer runs there)."""
+    try:
+        return held_by_unit(model) or None
+    except ConfigError:
+        return None
 
 
 def time_contenders(

@@ -201,11 +201,12 @@ def to_markdown(result: dict) -> str:
         "",
         "- `none` above the paper: the causal mask the layer builds (s² bools) and the two LayerNorms' "
         "mean and rstd; the paper leaves both out.",
-        "- `selective` below the paper by 8sbh: actplan keeps the expensive ops of every unit but "
+        "- `selective` below the paper by 16sbh: actplan keeps the expensive ops of every unit but "
         "attn_core and reruns the cheap ones whose inputs it holds, so besides the core attention it "
         "does not hold the two LayerNorm outputs (4sbh), the two dropout masks (2sbh, redrawn from "
-        "the replayed RNG state) or the attention context (2sbh, rebuilt with the core); "
-        "Megatron-style selective recomputation holds them. The recomputed FLOPs are the paper's.",
+        "the replayed RNG state), the attention context (2sbh, rebuilt with the core) or the GeLU "
+        "output (8sbh, rerun from the first MLP GEMM's held output); Megatron-style selective "
+        "recomputation holds them. The recomputed GEMM FLOPs are the paper's; the GeLU reruns too.",
         "- `full`: the layer input only, as the paper counts.",
         "",
         "What each plan's layer holds at the end of forward, by allocating op, in s·b·h bytes:",

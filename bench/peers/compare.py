@@ -194,11 +194,16 @@ def _overhead_cut_goal(named: str, c: dict[str, Any]) -> dict[str, Any]:
         "value": cut,
         "met": met,
         "missed_by": None if met or cut is None else OVERHEAD_CUT - cut,
+        "peer_ratio": c["peer_ratio"],
+        "actplan_row": best["name"] if best else None,
+        "actplan_ratio": best["ratio"] if best else None,
     }
     if cut is None:
         goal["undefined"] = (
             "no actplan row fits at the peer's peak"
             if best is None
-            else f"the peer is not slower than none (ratio {c['peer_ratio']:.3f}): no overhead to cut"
+            else f"the peer is not slower than none (ratio {c['peer_ratio']:.3f}), so it has no overhead "
+            f"to cut; actplan's fastest row there, {best['name']}, measures {best['ratio']:.3f} "
+            f"({best['ratio_vs_peer']:.3f}x the peer's)"
         )
     return goal

@@ -25,10 +25,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -40,9 +36,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import actplan
+import twoproc
 from actplan.markers import checkpoint_record
 from actplan.units import MarkerInterval, RecomputeIntervalMap
-from twoproc import REPO, _rank_errors
 
 pytest.importorskip("torchtitan", reason="the torchtitan extra (make setup installs it)")
 
@@ -78,30 +74,8 @@ def planned(tmp_path_factory):
 
 
 def run_ranks(nproc: int, args: list[str], out: Path, timeout: float = 300) -> dict:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
-    process = subprocess.Popen(
-        [*command, str(WORKER), *args, str(out)],
-        cwd=REPO,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        stdout, stderr = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        stdout, stderr = process.communicate()
-        pytest.fail(
-            f"titan_tp_worker {args} timed out after {timeout}s\n{_rank_errors(stderr)}\n{stderr[-3000:]}"
-        )
-    if process.returncode != 0 or not out.exists():
-        pytest.fail(
-            f"titan_tp_worker {args} failed (exit {process.returncode})\n{_rank_errors(stderr)}\n"
-            f"{stderr[-3000:]}\n{stdout[-2000:]}"
-        )
-    return json.loads(out.read_text())
+    """``WORKER args... out`` on ``nproc`` gloo ranks; the JSON rank 0 wrote."""
+    return twoproc.run_ranks(WORKER, args, out, nproc=nproc, timeout=timeout)
 
 
 @pytest.fixture(scope="module")

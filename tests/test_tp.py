@@ -19,10 +19,7 @@ parallelism.
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -42,13 +39,13 @@ from torch.distributed.tensor.parallel import (
 )
 
 import actplan
+import twoproc
 from actplan._install.parallel import parallelize, tensor_parallel_plan, tensor_parallelize
 from actplan.config import ConfigError
 from actplan.markers import checkpoint_record
 from actplan.measure import MemoryMeter
 from actplan.models import build_model
 from actplan.units import MarkerInterval, RecomputeIntervalMap
-from twoproc import REPO, _rank_errors
 
 WORKER = Path(__file__).parent / "dist" / "tp_worker.py"
 GRAD_ATOL = 1e-6
@@ -69,29 +66,8 @@ RUNS = [
 
 
 def run_ranks(nproc: int, args: list[str], out: Path, timeout: float = 240) -> dict:
-    """``tp_worker.py args... out`` on ``nproc`` gloo ranks; the JSON rank 0 wrote."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
-    process = subprocess.Popen(
-        [*command, str(WORKER), *args, str(out)],
-        cwd=REPO,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        stdout, stderr = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        stdout, stderr = process.communicate()
-        pytest.fail(f"tp_worker {args} timed out after {timeout}s\n{_rank_errors(stderr)}\n{stderr[-3000:]}")
-    if process.returncode != 0 or not out.exists():
-        pytest.fail(
-            f"tp_worker {args} failed (exit {process.returncode})\n{_rank_errors(stderr)}\n"
-            f"{stderr[-3000:]}\n{stdout[-2000:]}"
-        )
-    return json.loads(out.read_text())
+    """``WORKER args... out`` on ``nproc`` gloo ranks; the JSON rank 0 wrote."""
+    return twoproc.run_ranks(WORKER, args, out, nproc=nproc, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -245,7 +221,7 @@ def test_torchtitan_2763_last_block_no_redundant_down_proj_and_flat_memory(tmp_p
 @pytest.mark.slow
 def test_the_documented_tp_fsdp_script_runs(tmp_path):
     # docs/distributed.md's train_tp.py, on 2 processes: one tensor-parallel pair, FSDP over one.
-    text = (REPO / "docs" / "distributed.md").read_text()
+    text = (twoproc.REPO / "docs" / "distributed.md").read_text()
     blocks = re.findall(r"```python\n(# train_tp\.py.*?)```", text, flags=re.S)
     assert len(blocks) == 1
     script = tmp_path / "train_tp.py"

@@ -34,8 +34,13 @@ def run_two_ranks(worker: Path | str, args: list[str], out: Path, timeout: float
 
     ``worker`` is a script path, or a module name given as ``"-m actplan"``.
     """
+    return run_ranks(worker, args, out, nproc=2, timeout=timeout)
+
+
+def run_ranks(worker: Path | str, args: list[str], out: Path, *, nproc: int, timeout: float = 180) -> object:
+    """``run_two_ranks`` on ``nproc`` ranks."""
     # --standalone: a local rendezvous on a port the OS picks, so parallel runs never collide.
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     process = subprocess.Popen(
         [*command, *(worker.split() if isinstance(worker, str) else [str(worker)]), *args, str(out)],

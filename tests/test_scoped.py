@@ -310,10 +310,15 @@ def test_a_cheap_op_on_a_held_output_reruns_rather_than_holding_both():
     # h is held (the recomputed tanh reads it); the cast reads only h, so the replay reruns it
     # from h: holding its output too would hold both, where autograd keeps each once.
     torch.manual_seed(0)
-    layer = CastOfAKeptGemm()
-    x = torch.randn(5, 8, requires_grad=True)
+    # h only (before: + 5 x 8 x 8)
+    assert_keeping_gemm_holds(CastOfAKeptGemm(), torch.randn(5, 8, requires_grad=True), 5 * 8 * 4)
+
+
+def assert_keeping_gemm_holds(layer: nn.Module, x: torch.Tensor, held_bytes: int) -> None:
+    """With unit ``mlp_up`` kept, on the learning call and on the learnt path: gradients exact,
+    ``held_bytes`` held, and the layer's one GEMM never rerun."""
     want = torch.autograd.grad(layer(x), [x, layer.lin.weight])
-    imap = CastOfAKeptGemm.recompute_intervals
+    imap = layer.recompute_intervals
     policy = IntervalPolicy(imap, imap.intervals_of(["mlp_up"]), layer_name="L")
     apply_gradient_checkpointing(layer, policy=policy, name="L")
     (interval,) = imap.intervals_of(["mlp_up"])
@@ -321,8 +326,41 @@ def test_a_cheap_op_on_a_held_output_reruns_rather_than_holding_both():
         with OpCounter() as counter:
             got = torch.autograd.grad(layer(x), [x, layer.lin.weight])
         assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
-        assert policy.held_reports()["L"].held == {interval: 5 * 8 * 4}  # h only (before: + 5 x 8 x 8)
+        assert policy.held_reports()["L"].held == {interval: held_bytes}
         assert counter[torch.ops.aten.mm.default] == 3  # the GEMM once, its two gradients
+
+
+class CastGemm(nn.Module):
+    """A kept GEMM whose output only a dtype cast reads; the recomputed tail saves the cast."""
+
+    recompute_intervals = RecomputeIntervalMap({"mlp_up": MarkerInterval("a", "b")})
+
+    def __init__(self, gemm_dtype: torch.dtype, cast_dtype: torch.dtype):
+        super().__init__()
+        self.lin = nn.Linear(8, 8, bias=False, dtype=gemm_dtype)
+        self.cast_dtype = cast_dtype
+
+    def forward(self, x):
+        checkpoint_record("a")
+        cast = self.lin(x).to(self.cast_dtype)  # nothing references the GEMM output after this
+        checkpoint_record("b")
+        return torch.sin(cast).sum()
+
+
+@pytest.mark.parametrize(
+    "gemm_dtype,cast_dtype,held_bytes",
+    [
+        (torch.float32, torch.float64, 5 * 8 * 4),  # widened: hold the GEMM output, rerun the cast
+        (torch.float64, torch.float32, 5 * 8 * 4),  # narrowed: hold the cast, drop the GEMM output
+    ],
+)
+def test_a_cast_of_a_kept_gemm_holds_the_smaller_of_the_two(gemm_dtype, cast_dtype, held_bytes):
+    # The GEMM output is unreferenced once cast; it is kept alive until the forward ends so that
+    # holding it (and rerunning the cast) can be chosen when it is the smaller (before: the
+    # widened cast, 5 x 8 x 8 bytes, was held whatever the sizes).
+    torch.manual_seed(0)
+    x = torch.randn(5, 8, dtype=gemm_dtype, requires_grad=True)
+    assert_keeping_gemm_holds(CastGemm(gemm_dtype, cast_dtype), x, held_bytes)
 
 
 def test_mutation_messages_offer_only_fixes_that_work():

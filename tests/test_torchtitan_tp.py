@@ -170,26 +170,8 @@ def test_backward_replays_no_collective(runs, model, mesh, config):
         assert {op: n for op, n in extra.items() if n} == expected
 
 
-# Exact, but 0.6% above `none` (4,906,728 against 4,876,892 bytes on rank 0): in the expert-parallel
-# MoE block the bf16 grouped GEMM's output is cast to fp32 inside the kept experts unit; the replay
-# reads the cast, so the engine holds it (twice the GEMM output's bytes) and drops the GEMM output
-# only the cast read. Holding the smaller input and rerunning the cast would need the choice made
-# before the input is dropped; not done yet.
-EP_MATMULS = ("deepseek_v3", "dp2tp2", "matmuls")
-EP_MATMULS_HOLD_MORE = pytest.mark.xfail(
-    strict=True,
-    reason="matmuls on deepseek_v3 with EP=2 holds 0.6% more than none (an fp32 cast held, not its input)",
-)
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "model,mesh,config",
-    [
-        pytest.param(*case, marks=[EP_MATMULS_HOLD_MORE] if case == EP_MATMULS else [])
-        for case in cases(CONFIGS)
-    ],
-)
+@pytest.mark.parametrize("model,mesh,config", cases(CONFIGS))
 def test_activation_memory_at_or_below_no_checkpointing(runs, model, mesh, config):
     for rank in runs(model, mesh):
         result = ran(rank[config])

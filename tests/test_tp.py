@@ -12,6 +12,10 @@ floor is below 6e-8 for gradients up to 0.1 (a few ulps), and ``GRAD_ATOL`` = 1e
 without checkpointing are bit-identical: gloo on CPU in fp32 is deterministic, so the noise
 floor between checkpointed and plain runs is 0.
 
+Every model also runs the plan actplan's planner picks for it (the whole model profiled in this
+process, the budget half way between its lowest predicted peak and no checkpointing's), held to
+the same checks.
+
 In-process tests on a one-rank gloo group cover the plans and the input checks, and the
 smallest repro of the engine bug that makes ``megatron-selective`` fail under sequence
 parallelism.
@@ -19,6 +23,7 @@ parallelism.
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -46,11 +51,13 @@ from actplan.markers import checkpoint_record
 from actplan.measure import MemoryMeter
 from actplan.models import build_model
 from actplan.units import MarkerInterval, RecomputeIntervalMap
+from planned import half_way_plan
 
 WORKER = Path(__file__).parent / "dist" / "tp_worker.py"
 GRAD_ATOL = 1e-6
 LOSS_ATOL = 1e-6
-CONFIGS = ("full", "full+save_collectives", "attn", "matmuls", "megatron-selective")
+CONFIGS = ("full", "full+save_collectives", "attn", "matmuls", "megatron-selective", "planner")
+PLANNED = ("dense", "moe", "hf-llama")  # the worker runs dense-nosp and moe-ep with these plans
 # (model, mesh) pairs the worker runs: every model on one tensor-parallel pair; FSDP2 x TP on
 # four ranks for the sequence-parallel dense model, experts split over every rank, and Llama.
 RUNS = [
@@ -70,15 +77,43 @@ def run_ranks(nproc: int, args: list[str], out: Path, timeout: float = 240) -> d
     return twoproc.run_ranks(WORKER, args, out, nproc=nproc, timeout=timeout)
 
 
+PLANNED_ROWS = 16
+"""Rows per batch the planner profiles with: at the tests' 2 rows AdamW's step sets every plan's
+peak, and the planner rightly picks no checkpointing; at 16, activations set it."""
+
+
+def planner_config(name: str) -> dict:
+    """What actplan's planner picks for the whole (unsplit) tiny model, at ``PLANNED_ROWS`` rows."""
+    from actplan.models import ModelBundle, load_model
+
+    base = load_model(name, "tiny")
+
+    def rows_batch(seed: int) -> dict:
+        made = [base.make_batch(seed * 100 + row) for row in range(PLANNED_ROWS)]
+        return {key: torch.cat([m[key][:1] for m in made]) for key in made[0]}
+
+    return half_way_plan(ModelBundle(name, "tiny", base.model, rows_batch, base.description), name)
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def planned(tmp_path_factory):
+    """The planner's plan for each model, made once in this process and handed to every rank."""
+    made = {name: planner_config(name) for name in PLANNED}
+    path = tmp_path_factory.mktemp("tp-plan") / "plans.json"
+    path.write_text(json.dumps({name: plan["config"] for name, plan in made.items()}))
+    return path, made
+
+
+@pytest.fixture(scope="module")
+def runs(planned, tmp_path_factory):
     out = tmp_path_factory.mktemp("tp")
     cache: dict[tuple[str, str], list[dict]] = {}
 
     def get(model: str, mesh: str) -> list[dict]:
         if (model, mesh) not in cache:
             nproc = 4 if mesh == "dp2tp2" else 2
-            found = run_ranks(nproc, ["parity", model, mesh], out / f"{model}-{mesh}.json")
+            args = ["parity", model, mesh, str(planned[0])]
+            found = run_ranks(nproc, args, out / f"{model}-{mesh}.json")
             assert found["world_size"] == nproc
             cache[model, mesh] = [rank["results"] for rank in found["ranks"]]
         return cache[model, mesh]
@@ -108,8 +143,10 @@ def test_checkpointing_under_tp_is_bit_identical_to_tp_without(runs, model, mesh
     for rank in ranks:
         result = rank[config]
         assert result["dtensor_params"] > 0  # the model really is split
-        expected_mode = "full" if config.startswith("full") else "selective"
-        assert result["modes"] == [expected_mode]
+        if config == "planner":
+            assert set(result["modes"]) <= {"full", "selective", "none"} and result["modes"] != ["none"]
+        else:
+            assert result["modes"] == ["full" if config.startswith("full") else "selective"]
     for rank in ranks:
         same = rank[config]["vs_none"]
         assert same["loss_identical"]
@@ -144,6 +181,10 @@ def test_backward_replays_no_collective(runs, model, mesh, config):
     for rank in runs(model, mesh):
         none, result = rank["none"], rank[config]
         assert result["forward_collectives"] == none["forward_collectives"]
+        if config == "planner" and "full" in result["modes"]:
+            # A layer the planner checkpoints whole reruns its collectives, as `full` below.
+            assert sum(result["backward_collectives"].values()) > sum(none["backward_collectives"].values())
+            continue
         if config == "full" and not model.startswith("moe"):
             # Documented: `full` in layers that declare no routing unit reruns its collectives
             # (the gathers before the projections, the reduce after attention), as torch's own
@@ -176,6 +217,17 @@ def test_activation_memory_at_or_below_no_checkpointing(runs, model, mesh, confi
         assert rank[config]["peak_live_bytes"] <= peak
         if config == "full":
             assert rank["full"]["activation_bytes_at_forward_end"] < 0.8 * floor
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model,mesh", RUNS)
+def test_the_planners_plan_checkpoints_under_tp(runs, planned, model, mesh):
+    made = planned[1][model.removesuffix("-nosp").removesuffix("-ep")]
+    assert made["lowest_peak_bytes"] <= made["predicted_peak_bytes"] < made["none_peak_bytes"]
+    assert set(made["names"]) != {"none"}  # it checkpoints something
+    for rank in runs(model, mesh):
+        planner, none = rank["planner"], rank["none"]
+        assert planner["activation_bytes_at_forward_end"] < none["activation_bytes_at_forward_end"]
 
 
 @pytest.mark.slow

@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import faulthandler
 import json
-import os
 import sys
 
 import torch
@@ -29,6 +28,7 @@ from torch.distributed.tensor import DTensor
 import actplan
 from actplan.measure import MemoryMeter, OpCounter
 from actplan.models import moe
+from ranks import leave, write_gathered
 
 COLLECTIVE_NAMESPACES = ("_c10d_functional", "_c10d_functional_autograd", "c10d")
 
@@ -121,19 +121,8 @@ def main(plan: str, how: str, out_path: str) -> None:
         "peak_live_bytes": meter.report().peak_live_bytes,
         "compiled_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"] if compiling else 0,
     }
-    gathered = [None] * world
-    dist.all_gather_object(gathered, results)
-    if rank == 0:
-        with open(out_path, "w") as f:
-            json.dump(gathered, f)
-    dist.barrier()
-    dist.destroy_process_group()
-    # torch 2.13 on gloo sometimes aborts in C++ during interpreter shutdown after
-    # functional all-to-alls ("terminate called without an active exception", no
-    # Python frame). The results are written and the group is gone: leave now.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    write_gathered(results, out_path, bare=True)
+    leave()
 
 
 if __name__ == "__main__":

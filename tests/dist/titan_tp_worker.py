@@ -88,30 +88,13 @@ def make_batch(seed: int) -> dict[str, torch.Tensor]:
 
 
 def planner_config(kind: str) -> dict:
-    """What actplan's planner picks for the whole (unsplit) model at this shape, half way
-    between its lowest predicted peak and no checkpointing's: profile, solve, write the config."""
+    """What actplan's planner picks for the whole (unsplit) model at this shape (``planned``;
+    called in the pytest process only, where ``tests`` is importable)."""
     from actplan.models import ModelBundle
-    from actplan.planning.choose import config_for
-    from actplan.planning.planner import minimum_peak, solve
-    from actplan.planning.profile import profile_model
+    from planned import half_way_plan
 
     bundle = ModelBundle(kind, "tiny", TitanLoss(build_decoder(kind)), make_batch, f"torchtitan {kind}")
-    # Times from H100's roofline, not this machine's clock: the same plan on every run.
-    profile = profile_model(
-        bundle, spec=kind, device=torch.device("cpu"), repeats=1, min_bytes=0, gpu="h100",
-        progress=lambda event: None,
-    )  # fmt: skip
-    problem = profile.problem()
-    lowest, _ = minimum_peak(problem)
-    solution = solve(problem, (lowest + profile.none_peak_bytes) / 2)
-    config = config_for(profile, solution.choices)
-    return {
-        "config": config.to_dict(),
-        "names": list(solution.names),
-        "predicted_peak_bytes": solution.predicted_peak_bytes,
-        "lowest_peak_bytes": lowest,
-        "none_peak_bytes": profile.none_peak_bytes,
-    }
+    return half_way_plan(bundle, kind)
 
 
 def titan_parallelize(kind: str, dims, parallelism, ac_config) -> nn.Module:
@@ -242,20 +225,14 @@ def main() -> None:
     for kind in models.split(","):
         findings["results"][kind] = scenario(kind, mesh, plans.get(kind, {}))
     findings["seconds"] = time.perf_counter() - started
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, findings)
-    if dist.get_rank() == 0:
-        with open(out_path, "w") as out:
-            json.dump({"world_size": dist.get_world_size(), "ranks": gathered}, out, indent=1)
-    dist.barrier()
-    dist.destroy_process_group()
+    from ranks import write_gathered  # (here: the pytest process imports this file too)
+
+    write_gathered(findings, out_path)
 
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     main()
-    # gloo on torch 2.13 sometimes aborts in C++ while the interpreter shuts down, after all
-    # work is done (docs/concepts.md, Known limits): leave without that teardown.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    from ranks import leave
+
+    leave()

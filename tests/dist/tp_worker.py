@@ -1,12 +1,14 @@
 """One rank of the tensor-parallel tests in ``tests/test_tp.py``; launched by torchrun on gloo/CPU.
 
-    torchrun --standalone --nproc-per-node 2 tests/dist/tp_worker.py parity MODEL MESH OUT.json
+    torchrun --standalone --nproc-per-node 2 tests/dist/tp_worker.py parity MODEL MESH [PLANS.json] OUT.json
     torchrun --standalone --nproc-per-node 2 tests/dist/tp_worker.py titan OUT.json
 
 ``parity``: MODEL is ``dense`` (sequence parallel), ``dense-nosp``, ``moe``, ``moe-ep``
 (experts split over every rank) or ``hf-llama`` (sequence parallel); MESH is ``tp2`` (one
 tensor-parallel group of 2, no FSDP) or ``dp2tp2`` (4 ranks: tensor parallelism inside pairs,
-FSDP2 over the pairs). For each config, a fresh copy of the model goes through
+FSDP2 over the pairs). PLANS.json, if given, maps ``dense``, ``moe`` and ``hf-llama`` to one more
+config, ``planner`` (what ``tests/test_tp.py`` had actplan's planner pick for the whole model;
+``dense-nosp`` and ``moe-ep`` use their model's). For each config, a fresh copy of the model goes through
 ``actplan.parallelize`` and runs one step on this rank's data (the tensor-parallel ranks of a
 pair share theirs). Each rank compares its *local* gradient shards, their placements and the
 loss with the ``none`` run's, bit for bit, and the full (``full_tensor``) gradients with a
@@ -44,6 +46,7 @@ from actplan._install.parallel import tensor_parallelize
 from actplan.measure import MemoryMeter, OpCounter
 from actplan.models import build_model, load_model
 from actplan.models import moe as moe_model
+from ranks import leave, write_gathered
 
 COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional", "_c10d_functional_autograd", "c10d_functional", "fsdp")
 # Moving data between ranks; _wrap_tensor_autograd and wait_tensor only wrap or wait for them.
@@ -57,6 +60,7 @@ CONFIGS = {
     "megatron-selective": "megatron-selective",
 }
 ROWS_PER_DP_RANK = 2
+PLANNED_AS = {"dense-nosp": "dense", "moe-ep": "moe"}  # the planner's plan each model runs
 
 
 def worse(diff: float, worst: float) -> bool:
@@ -203,7 +207,7 @@ def vs_single_process(model, run, reference_loss, reference, world) -> dict:
     }
 
 
-def scenario_parity(model_name: str, mesh_name: str) -> dict:
+def scenario_parity(model_name: str, mesh_name: str, plans_path: str | None = None) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     if mesh_name == "tp2":
         mesh, dp, dp_rank = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",)), 1, 0
@@ -215,8 +219,12 @@ def scenario_parity(model_name: str, mesh_name: str) -> dict:
     batch = {k: v[dp_rank * ROWS_PER_DP_RANK : (dp_rank + 1) * ROWS_PER_DP_RANK] for k, v in whole.items()}
     reference_loss, reference = reference_grads(reference_model, whole)
     sequence_parallel = False if model_name == "dense-nosp" else None
+    configs = dict(CONFIGS)
+    if plans_path is not None:
+        with open(plans_path) as plans:
+            configs["planner"] = json.load(plans)[PLANNED_AS.get(model_name, model_name)]
     results, none_run = {}, None
-    for name, config in [("none", "none"), ("none-again", "none"), *list(CONFIGS.items())[1:]]:
+    for name, config in [("none", "none"), ("none-again", "none"), *list(configs.items())[1:]]:
         started = time.perf_counter()
         model, run = one_step(base, mesh, config, batch, sequence_parallel)
         entry = {key: value for key, value in run.items() if key not in ("loss", "grads")}
@@ -295,26 +303,17 @@ def main() -> None:
     torch.manual_seed(0)
     started = time.perf_counter()
     if scenario == "parity":
-        findings = scenario_parity(sys.argv[2], sys.argv[3])
+        plans = sys.argv[4] if len(sys.argv) == 6 else None
+        findings = scenario_parity(sys.argv[2], sys.argv[3], plans)
     elif scenario == "titan":
         findings = scenario_titan()
     else:
         raise SystemExit(f"unknown scenario {scenario!r}; choose parity or titan")
     findings["seconds"] = time.perf_counter() - started
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, findings)
-    if dist.get_rank() == 0:
-        with open(out_path, "w") as out:
-            json.dump({"world_size": dist.get_world_size(), "ranks": gathered}, out, indent=1)
-    dist.barrier()
-    dist.destroy_process_group()
+    write_gathered(findings, out_path)
 
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     main()
-    # gloo on torch 2.13 sometimes aborts in C++ while the interpreter shuts down, after all
-    # work is done (docs/concepts.md, Known limits): leave without that teardown.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave()

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from actplan._engine.ops import IGNORED_OPS
+from actplan._engine.ops import IGNORED_OP_IDS
 from actplan._torch_internals import (
     FakeTensor,
     TorchDispatchMode,
@@ -270,8 +270,9 @@ class SegmentMode(TorchDispatchMode):
 
 
 def _segment_dispatch(self: SegmentMode, func, types, args=(), kwargs=None):
-    kwargs = kwargs or {}
-    if func in IGNORED_OPS:
+    if kwargs is None:
+        kwargs = {}
+    if id(func) in IGNORED_OP_IDS:
         return func(*args, **kwargs)
     return self.run_op(func, args, kwargs)
 

@@ -77,6 +77,9 @@ class OpTraits(NamedTuple):
     # Aliases its input without sharing its version counter (``_unsafe_view``, which reshapes
     # a 3D linear's 2D ``mm`` output back): a write through the alias does not show on the input.
     unsafe_alias: bool
+    # None of the above that changes what the engine does with it (not a view, routing,
+    # collective, host copy, in-place, uninitialised or seeded op): the engine's fast path.
+    plain: bool = False
 
 
 # Keyed by id(): ops are process-lived singletons, and OpOverload.__hash__ runs in
@@ -91,7 +94,7 @@ def op_traits(func) -> OpTraits:
     schema = op_schema(func)
     arguments = schema.arguments if schema is not None else ()
     seeded = torch.Tag.nondeterministic_seeded in getattr(func, "tags", ())
-    traits = OpTraits(
+    traits = _with_plain(OpTraits(
         # _unsafe_view aliases its input but its schema does not say so.
         is_view=bool(getattr(func, "is_view", False)) or func is torch.ops.aten._unsafe_view.default,
         seeded=seeded,
@@ -107,9 +110,23 @@ def op_traits(func) -> OpTraits:
         uninitialized=op_name(func) in UNINITIALIZED_OPS,
         expensive=_is_expensive(func),
         unsafe_alias=func is torch.ops.aten._unsafe_view.default,
-    )
+    ))
     _TRAITS[id(func)] = traits
     return traits
+
+
+def _with_plain(traits: OpTraits) -> OpTraits:
+    plain = not (
+        traits.is_view
+        or traits.seeded
+        or traits.always_saved
+        or traits.collective
+        or traits.is_to_copy
+        or traits.mutated
+        or traits.uninitialized
+        or traits.unsafe_alias
+    )
+    return traits._replace(plain=plain)
 
 
 def _is_expensive(func) -> bool:
@@ -166,3 +183,5 @@ def _ignored_ops() -> frozenset:
 
 IGNORED_OPS = _ignored_ops()
 """Ops neither held nor counted: ``torch.utils.checkpoint`` adds them itself."""
+IGNORED_OP_IDS = frozenset(id(op) for op in IGNORED_OPS)
+"""The same, by ``id()``: the per-op check cannot afford ``OpOverload.__hash__`` (Python)."""

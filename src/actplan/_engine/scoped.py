@@ -26,7 +26,10 @@ What is held
       nothing packed or pinned is dropped, since nothing can read it any more.
 
     A cheap op held only because it read a held output is rerun in the replay instead when
-    everything it read stays held: holding its output too would hold both.
+    everything it read stays held: holding its output too would hold both. And when what it
+    read is about to be dropped (nothing references or reads it), it is held instead of the
+    op's output if it is the smaller (a bf16 GEMM output against its fp32 cast) and that output
+    is read; while that is not known yet, it waits, alive, and only while it is the smaller.
 
     What is still referenced when its segment closes is held, unless no tensor was saved
     for backward after that point: the replay stops at the last saved tensor
@@ -93,6 +96,18 @@ from actplan.markers import LAYER_END
 from actplan.units import MarkerInterval
 
 _FORWARD, _REPLAY = RegionPhase.FORWARD, RegionPhase.REPLAY
+_ONE, _TUPLE = object(), object()  # an op's output spec: one tensor, or a tuple of tensors
+_Tensor = torch.Tensor
+
+# The record of an op the replay reruns carries only the op: one per op, shared (never changed).
+_RERUN_ENTRIES: dict[int, Entry] = {}
+
+
+def _rerun_entry(func) -> Entry:
+    entry = _RERUN_ENTRIES.get(id(func))
+    if entry is None:
+        entry = _RERUN_ENTRIES[id(func)] = Entry(func)
+    return entry
 
 
 class ScopedRegion(MarkerState):
@@ -124,6 +139,8 @@ class ScopedRegion(MarkerState):
         self.left_path_at = 0  # the segment where a call left the learnt path
         self.marker_names: list[str] = []
         self.watched: dict[int, list[Entry]] = {}  # segment -> its ops, in forward order
+        self.entries: list[Entry] = []  # the watched segment's, while one is open
+        self.forward_mode = self.replay_mode = None  # made on first use, reused per segment
         self.routing_segments: set[int] = set()
         self.busy_segments: set[int] = set()  # segments where an op other than a view ran
         self.mode: TorchDispatchMode | None = None
@@ -157,6 +174,11 @@ class ScopedRegion(MarkerState):
         # Cheap ops held because they read a held output, with their inputs' storages: rerun
         # in the replay instead when every input stays held (``_rerun_cheap_ops``).
         self.cheap: list[tuple[Entry, list[list[HeldOutput]]]] = []
+        # The same, by the storage of each held output they read: when such an output is about
+        # to be dropped, holding it instead of their outputs may cost less (``_drop_unread``).
+        self.cheap_readers: dict[int, list[tuple[Entry, list[list[HeldOutput]]]]] = {}
+        # Outputs only such ops read, alive until those ops' outputs are settled, by storage.
+        self.waiting: dict[int, list[HeldOutput]] = {}
 
     def contexts(self) -> tuple[PhaseContext, PhaseContext]:
         """``torch.utils.checkpoint``'s ``context_fn`` result: (forward, replay)."""
@@ -174,8 +196,10 @@ class ScopedRegion(MarkerState):
             if not self._watching():
                 self._expose()
                 return
-            self.watched[self.segment] = []
-            self.mode = SegmentMode(self.run_forward_op)
+            self.entries = self.watched[self.segment] = []
+            if self.forward_mode is None:
+                self.forward_mode = SegmentMode(self.run_forward_op)
+            self.mode = self.forward_mode
             if self.outer_pack is not None:
                 outer_pack, outer_unpack = self.outer_pack
                 packed = self.packed
@@ -202,7 +226,9 @@ class ScopedRegion(MarkerState):
             if entries is None:
                 return
             self.replay_entries, self.cursor = entries, 0
-            self.mode = SegmentMode(self.run_replay_op)
+            if self.replay_mode is None:
+                self.replay_mode = SegmentMode(self.run_replay_op)
+            self.mode = self.replay_mode
             if self.rewritten and self.outer_pack is not None:
                 self._watch_rewritten_saves()
             self.mode.__enter__()
@@ -288,6 +314,27 @@ class ScopedRegion(MarkerState):
     def run_forward_op(self, func, args, kwargs):
         self.op_count += 1
         traits = _TRAITS.get(id(func)) or op_traits(func)
+        if traits.plain:
+            # Most ops (not a view, routing, collective, in-place, random or host copy): held
+            # only inside a kept interval, when expensive or reading a held output.
+            if self.relearn:
+                self.busy_segments.add(self.segment)
+            interval = self.current_kept
+            if interval is not None and (traits.expensive or self._reads_held(args, kwargs)):
+                if self.pending:
+                    self._sweep_pending()
+                out = func(*args, **kwargs)
+                entry = self._hold(func, out, interval, False)
+                if not traits.expensive:
+                    self._note_cheap(entry, args, kwargs)
+                return out
+            if self.pending or self.undecided:
+                self._pin_reads(args, kwargs)
+            self.entries.append(_rerun_entry(func))
+            return func(*args, **kwargs)
+        if traits.is_view and not traits.unsafe_alias:
+            self.entries.append(_rerun_entry(func))  # a view reruns: free, and it holds nothing
+            return func(*args, **kwargs)
         if not traits.is_view:
             self.busy_segments.add(self.segment)
         routing = self.plan.save_collectives and always_saved(traits, args, kwargs)
@@ -308,7 +355,7 @@ class ScopedRegion(MarkerState):
         if not held:
             if self.refs and not traits.is_view and not traits.uninitialized:
                 self._pin_inputs(func, traits, args, kwargs)
-            self.watched[self.segment].append(Entry(func))
+            self.entries.append(_rerun_entry(func))
             out = func(*args, **kwargs)
             if traits.unsafe_alias and self.refs:
                 self._note_alias(args[0], out)
@@ -340,6 +387,8 @@ class ScopedRegion(MarkerState):
                 return
             holders.append(found)
         self.cheap.append((entry, holders))
+        for key in {h.storage for found in holders for h in found}:
+            self.cheap_readers.setdefault(key, []).append((entry, holders))
 
     def _reads_held(self, args, kwargs) -> bool:
         refs = self.refs
@@ -354,6 +403,20 @@ class ScopedRegion(MarkerState):
                 if found is None or storage_key_of(found[1].untyped_storage()) in refs:
                     return True  # (a subclass whose storage cannot be checked: assume held)
         return False
+
+    def _pin_reads(self, args, kwargs) -> None:
+        # ``_pin_inputs`` for an op that writes nothing: the replay reads its inputs. Only the
+        # undecided outputs' pins are ever consulted (what is already held stays held).
+        pending, undecided, pinned = self.pending, self.undecided, self.pinned
+        for leaf in dense_leaves(args, kwargs):
+            storage = storage_key_of(leaf.untyped_storage())
+            if (
+                (storage in pending or storage in undecided)
+                and storage not in pinned
+                and leaf.device.type != "meta"
+            ):
+                saved = self._saved_so_far()
+                pinned[storage] = -1 if saved is None else saved
 
     def _pin_inputs(self, func, traits, args, kwargs) -> None:
         written = set()
@@ -429,7 +492,12 @@ class ScopedRegion(MarkerState):
         self.rewritten[held.storage] = held
 
     def _hold(self, func, out, interval: MarkerInterval | None, routing: bool) -> Entry:
-        leaves, spec = tree_flatten(out)
+        if type(out) is _Tensor:
+            leaves, spec = [out], _ONE
+        elif type(out) is tuple and all(type(leaf) is _Tensor for leaf in out):
+            leaves, spec = list(out), _TUPLE
+        else:
+            leaves, spec = tree_flatten(out)
         kept: list = []
         for leaf in leaves:
             if is_dense_tensor(leaf) and leaf.device.type != "meta":
@@ -440,7 +508,7 @@ class ScopedRegion(MarkerState):
             else:
                 kept.append(leaf)
         entry = Entry(func, kept, spec)
-        self.watched[self.segment].append(entry)
+        self.entries.append(entry)
         return entry
 
     def _hold_wrapper(self, func, leaf: torch.Tensor, interval: MarkerInterval | None) -> HeldOutput | None:
@@ -465,6 +533,7 @@ class ScopedRegion(MarkerState):
             # A new storage: what was packed or pinned at this address before is gone.
             self.packed.discard(key)
             self.pinned.pop(key, None)
+            self.cheap_readers.pop(key, None)
         held = HeldOutput(
             value=alias,
             interval=interval,
@@ -490,38 +559,51 @@ class ScopedRegion(MarkerState):
 
     def _sweep_pending(self) -> None:
         # Before each kept op: let the current segment's outputs nobody references go at once.
-        packed, pinned = self.packed, self.pinned
-        for storage, outputs in list(self.pending.items()):
+        packed, pinned, pending = self.packed, self.pinned, self.pending
+        for storage in list(pending):
+            outputs = pending.get(storage)  # (a cheap op's output may have gone meanwhile)
+            if outputs is None:
+                continue
             if storage in packed:
+                del pending[storage]
                 self._keep(outputs)
             elif storage not in pinned and self._dead(storage):
-                self._drop(outputs)
-            else:
-                continue
-            del self.pending[storage]
+                del pending[storage]
+                self._drop_unread(storage, outputs)
+        if self.waiting:
+            self._revisit_waiting(final=False)
 
     def _sweep(self, closing: bool) -> None:
         # Settle what the watched ops so far prove: saved by autograd (held), or unreferenced
         # and unread (dropped). Outputs a rerun op read are settled when the forward ends.
-        packed, pinned, exposed = self.packed, self.pinned, self.exposed
-        for storage, outputs in list(self.pending.items()):
+        packed, pinned, exposed, pending, undecided = (
+            self.packed, self.pinned, self.exposed, self.pending, self.undecided,
+        )  # fmt: skip
+        for storage in list(pending):
+            outputs = pending.get(storage)
+            if outputs is None:
+                continue
             if storage in packed:
+                del pending[storage]
                 self._keep(outputs)
             elif storage not in pinned and self._dead(storage):
-                self._drop(outputs)
+                del pending[storage]
+                self._drop_unread(storage, outputs)
             elif closing:
-                self.undecided.setdefault(storage, []).extend(outputs)
-            else:
+                del pending[storage]
+                undecided.setdefault(storage, []).extend(outputs)
+        for storage in list(undecided):
+            outputs = undecided.get(storage)
+            if outputs is None:
                 continue
-            del self.pending[storage]
-        for storage, outputs in list(self.undecided.items()):
             if storage in packed:
+                del undecided[storage]
                 self._keep(outputs)
             elif storage not in exposed and storage not in pinned and self._dead(storage):
-                self._drop(outputs)
-            else:
-                continue
-            del self.undecided[storage]
+                del undecided[storage]
+                self._drop_unread(storage, outputs)
+        if self.waiting:
+            self._revisit_waiting(final=False)
 
     def _expose(self) -> None:
         # An unwatched segment begins: what is still referenced may be read there unseen
@@ -532,6 +614,8 @@ class ScopedRegion(MarkerState):
         saved = self._saved_so_far()
         for storage in self.undecided:
             self.exposed.setdefault(storage, -1 if saved is None else saved)
+        if self.waiting:
+            self._revisit_waiting(final=False)  # an exposed output counts as read
 
     def _keep(self, outputs: list[HeldOutput]) -> None:
         for held in outputs:
@@ -559,6 +643,82 @@ class ScopedRegion(MarkerState):
             else:
                 del self.refs[held.storage]
 
+    def _drop_unread(self, storage: int, outputs: list[HeldOutput]) -> None:
+        # Nothing references or reads these outputs any more, but a held cheap op may have read
+        # them (a dtype cast of a GEMM's output): holding them and rerunning that op costs less
+        # than holding its output when they are the smaller. Decided as soon as that output's
+        # fate is known; until then (only while they are the smaller) they wait, alive.
+        if storage in self.cheap_readers and self._settle_for_cheap(storage, outputs, final=False):
+            return
+        self.cheap_readers.pop(storage, None)
+        self._drop(outputs)
+
+    def _revisit_waiting(self, final: bool) -> None:
+        # Outputs waiting on a cheap reader's output: decide those whose reader's fate is known
+        # now (``final``: the forward ended, decide all).
+        for storage, outputs in list(self.waiting.items()):
+            del self.waiting[storage]
+            if not self._settle_for_cheap(storage, outputs, final):
+                self.cheap_readers.pop(storage, None)
+                self._drop(outputs)
+
+    def _settle_for_cheap(self, storage: int, outputs: list[HeldOutput], final: bool) -> bool:
+        """Hold ``outputs`` instead of what cheap ops made from them, or leave them waiting for
+        those ops' outputs to be settled; ``False``: neither, drop them."""
+        if any(
+            h.mutated_by is not None or h.wrapped is not None or tensor_version(h.value) != h.version
+            for h in outputs
+        ):
+            return False  # changed in place since: a rerun would read other values
+        held_now = {id(h) for h in self.held}
+        known = (self.packed, self.pinned, self.exposed)
+        rerun: list[tuple[Entry, list[HeldOutput]]] = []
+        freed: dict[int, int] = {}
+        unsettled = 0
+        for entry, holders in self.cheap_readers[storage]:
+            made = [leaf for leaf in entry.leaves or () if isinstance(leaf, HeldOutput)]
+            if not made or any(
+                o.value is None or o.routing or not o.meta[2].is_floating_point or o.storage == storage
+                for o in made
+            ):
+                continue
+            if not all(id(o) in held_now or any(o.storage in k for k in known) for o in made):
+                unsettled += sum(o.nbytes for o in made)  # read later or not: not known yet
+                continue
+            # Everything else it read must be held already: the replay serves it all.
+            if all(
+                any(h.storage == storage or (id(h) in held_now and h.value is not None) for h in found)
+                for found in holders
+            ):
+                rerun.append((entry, made))
+                freed.update((o.storage, o.nbytes) for o in made)
+        cost = outputs[0].nbytes
+        if rerun and cost < sum(freed.values()):
+            self.cheap_readers.pop(storage, None)
+            self._keep(outputs)
+            for entry, made in rerun:
+                for output in made:
+                    self._forget(output)
+                    self._release(output)
+                entry.leaves = entry.spec = None
+            self.held = [h for h in self.held if h.value is not None]
+            return True
+        if not final and cost < unsettled:
+            self.waiting[storage] = outputs
+            return True
+        return False
+
+    def _forget(self, held: HeldOutput) -> None:
+        # Take an output out of the undecided records (it is released, not settled).
+        for records in (self.pending, self.undecided, self.waiting):
+            found = records.get(held.storage)
+            if found is not None and any(h is held for h in found):
+                rest = [h for h in found if h is not held]
+                if rest:
+                    records[held.storage] = rest
+                else:
+                    del records[held.storage]
+
     def _rerun_cheap_ops(self) -> None:
         # A cheap op is held when it reads a held output. If what it read stays held, the replay
         # can rerun it from that: holding its output too would hold both (a dtype cast and the
@@ -580,6 +740,7 @@ class ScopedRegion(MarkerState):
             entry.leaves = entry.spec = None
             changed = True
         self.cheap.clear()
+        self.cheap_readers.clear()
         if changed:
             self.held = [h for h in self.held if h.value is not None]
 
@@ -593,15 +754,19 @@ class ScopedRegion(MarkerState):
     def _end_forward(self) -> None:
         self._sweep(closing=False)
         saved = self._saved_so_far()
-        for storage, outputs in self.undecided.items():
+        for storage in list(self.undecided):
+            outputs = self.undecided.pop(storage, None)
+            if outputs is None:
+                continue  # released meanwhile: a cheap op's output, rerun instead
             # Held only if a rerun op read it, or an unwatched segment it was exposed to runs,
             # before the replay stops (at the last saved tensor).
             reads = [c for c in (self.exposed.get(storage), self.pinned.get(storage)) if c is not None]
             if reads and (saved is None or min(reads) < saved):  # (-1: unknown, so held)
                 self._keep(outputs)
                 continue
-            self._drop(outputs)
-        self.undecided.clear()
+            self._drop_unread(storage, outputs)
+        if self.waiting:
+            self._revisit_waiting(final=True)
         self.held = [h for h in self.held if h.value is not None]
         if self.cheap:
             self._rerun_cheap_ops()
@@ -699,9 +864,16 @@ class ScopedRegion(MarkerState):
             )
         self.cursor = index + 1
         entry = entries[index]
-        if entry.leaves is None:
+        leaves = entry.leaves
+        if leaves is None:
             return func(*args, **kwargs)
-        return tree_unflatten([self._serve(leaf) for leaf in entry.leaves], entry.spec)
+        served = [self._serve(leaf) for leaf in leaves]
+        spec = entry.spec
+        if spec is _ONE:
+            return served[0]
+        if spec is _TUPLE:
+            return tuple(served)
+        return tree_unflatten(served, spec)
 
     def _serve(self, leaf: Any) -> Any:
         if not isinstance(leaf, HeldOutput):
@@ -720,8 +892,11 @@ class ScopedRegion(MarkerState):
 
     def end_phase(self, failed: bool) -> None:
         self._close_segment()
-        # The frame holds this region (through its replay context): no cycle past the forward.
+        # The frame holds this region (through its replay context), and so do its modes (their
+        # handlers are its methods): no cycle past the phase.
         self.frame = self.outer_pack = None
+        self.forward_mode = self.replay_mode = None
+        self.entries = []
         saved, self.saved_versions = self.saved_versions, {}
         changed = [key for key, (tensor, version) in saved.items() if tensor_version(tensor) != version]
         if self.phase is _REPLAY or failed:
@@ -732,6 +907,8 @@ class ScopedRegion(MarkerState):
             self.pending.clear()
             self.undecided.clear()
             self.cheap.clear()
+            self.cheap_readers.clear()
+            self.waiting.clear()
             self.refs.clear()
             self.watched.clear()
         self.phase = RegionPhase.DONE if self.phase is _REPLAY else RegionPhase.FORWARD_DONE

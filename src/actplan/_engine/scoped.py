@@ -246,7 +246,8 @@ class ScopedRegion(MarkerState):
 
     def on_marker(self, marker: str) -> None:
         if self.phase is _REPLAY:
-            self._close_segment()
+            if self.mode is not None:
+                self._close_segment()
             self.segment += 1
             expected = self.marker_names[self.segment - 1] if self.segment <= len(self.marker_names) else None
             if marker != expected:
@@ -261,7 +262,8 @@ class ScopedRegion(MarkerState):
         if self.phase is not _FORWARD:
             super().on_marker(marker)
             return
-        self._close_segment()
+        if self.mode is not None:
+            self._close_segment()
         layout, position = self.layout, len(self.marker_names)
         on_path = (
             not self.watch_all

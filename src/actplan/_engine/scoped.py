@@ -103,6 +103,15 @@ _Tensor = torch.Tensor
 _RERUN_ENTRIES: dict[int, Entry] = {}
 
 
+def _rerunnable_outputs(entry: Entry) -> list[HeldOutput] | None:
+    # A held cheap op's outputs, if the replay may rerun it instead: all still held, none a
+    # routing output, all floating point.
+    made = [leaf for leaf in entry.leaves or () if isinstance(leaf, HeldOutput)]
+    if not made or any(o.value is None or o.routing or not o.meta[2].is_floating_point for o in made):
+        return None
+    return made
+
+
 def _rerun_entry(func) -> Entry:
     entry = _RERUN_ENTRIES.get(id(func))
     if entry is None:
@@ -421,6 +430,9 @@ class ScopedRegion(MarkerState):
                 pinned[storage] = -1 if saved is None else saved
 
     def _pin_inputs(self, func, traits, args, kwargs) -> None:
+        if not traits.mutated:
+            self._pin_reads(args, kwargs)
+            return
         written = set()
         for position, name in traits.mutated:
             target = args[position] if position < len(args) else kwargs.get(name)
@@ -678,11 +690,8 @@ class ScopedRegion(MarkerState):
         freed: dict[int, int] = {}
         unsettled = 0
         for entry, holders in self.cheap_readers[storage]:
-            made = [leaf for leaf in entry.leaves or () if isinstance(leaf, HeldOutput)]
-            if not made or any(
-                o.value is None or o.routing or not o.meta[2].is_floating_point or o.storage == storage
-                for o in made
-            ):
+            made = _rerunnable_outputs(entry)
+            if not made or any(o.storage == storage for o in made):
                 continue
             if not all(id(o) in held_now or any(o.storage in k for k in known) for o in made):
                 unsettled += sum(o.nbytes for o in made)  # read later or not: not known yet
@@ -728,10 +737,8 @@ class ScopedRegion(MarkerState):
         # op's output keeps its own output held.
         changed = False
         for entry, holders in self.cheap:
-            outputs = [leaf for leaf in entry.leaves or () if isinstance(leaf, HeldOutput)]
-            if not outputs or any(
-                o.value is None or o.routing or not o.meta[2].is_floating_point for o in outputs
-            ):
+            outputs = _rerunnable_outputs(entry)
+            if not outputs:
                 continue
             if not all(any(h.value is not None for h in found) for found in holders):
                 continue

@@ -18,7 +18,7 @@ from actplan.measure._alloc_conf import (
 from actplan.measure._allocator import (
     CachingAllocatorModel,
     SimulatedOutOfMemory,
-    _next_division,
+    next_division,
     replay,
 )
 
@@ -34,8 +34,8 @@ def test_requests_round_to_512_bytes_and_power_of_two_divisions():
     plain = model()
     assert [plain.round_size(n) for n in (1, 512, 513, 3 * MIB + 1)] == [512, 512, 1024, 3 * MIB + 512]
     # torch's own example: 1200 over 4 divisions of [1024, 2048) is 1280.
-    assert _next_division(1200, 4) == 1280
-    assert _next_division(2048, 4) == 2048
+    assert next_division(1200, 4) == 1280
+    assert next_division(2048, 4) == 2048
     quartered = model("roundup_power2_divisions:4")
     assert quartered.round_size(1 * MIB + 300_000) == 1 * MIB + 512 * 1024  # steps of 256 KiB
     assert quartered.round_size(1500) == 1536  # at most 512 x 4 bytes: plain rounding

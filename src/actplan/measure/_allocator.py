@@ -32,105 +32,32 @@ The rules modelled, each as the source has it:
 
 Not modelled: CUDA graph private pools, ``record_stream`` (a block freed while another stream
 still uses it is returned at once here), and IPC. Addresses are given out in order, so ties
-between equal free blocks go to the older one. Standard library only.
+between equal free blocks go to the older one. The blocks, pools and rounding arithmetic are in
+``_alloc_blocks``. Standard library only.
 """
 
 from __future__ import annotations
 
 import bisect
 from collections.abc import Iterable
-from dataclasses import dataclass
 
-from actplan.measure._alloc_conf import MIB, AllocatorSettings
+from actplan.measure._alloc_blocks import (
+    MIN_BLOCK,
+    MIN_LARGE_ALLOC,
+    ROUND_LARGE,
+    SMALL_BUFFER,
+    SMALL_SIZE,
+    UNLIMITED,
+    AllocatorReport,
+    Block,
+    Pool,
+    SimulatedOutOfMemory,
+    next_division,
+    power2_interval,
+)
+from actplan.measure._alloc_conf import AllocatorSettings
 
 __all__ = ["AllocatorReport", "CachingAllocatorModel", "SimulatedOutOfMemory", "replay"]
-
-MIN_BLOCK = 512  # kMinBlockSize
-SMALL_SIZE = MIB  # kSmallSize
-SMALL_BUFFER = 2 * MIB  # kSmallBuffer
-MIN_LARGE_ALLOC = 10 * MIB  # kMinLargeAlloc
-ROUND_LARGE = 2 * MIB  # kRoundLarge
-_UNLIMITED = 1 << 64
-
-
-class SimulatedOutOfMemory(RuntimeError):
-    """The modelled allocator could not serve a request within the device's capacity."""
-
-    def __init__(self, requested: int, allocated: int, reserved: int, capacity: int):
-        self.requested, self.allocated = requested, allocated
-        self.reserved, self.capacity = reserved, capacity
-        super().__init__(
-            f"out of memory: {requested} bytes requested with {allocated} allocated and {reserved} "
-            f"reserved of a {capacity}-byte capacity"
-        )
-
-
-class _Block:
-    __slots__ = ("addr", "allocated", "expandable", "gc_base", "mapped", "next", "pool", "prev",
-                 "requested", "size", "stream")  # fmt: skip
-
-    def __init__(self, pool: _Pool, stream: int, addr: int, size: int, expandable: bool = False):
-        self.pool, self.stream, self.addr, self.size = pool, stream, addr, size
-        self.allocated, self.mapped, self.expandable = False, True, expandable
-        self.prev: _Block | None = None
-        self.next: _Block | None = None
-        self.requested = 0
-        self.gc_base = 0
-
-    def is_split(self) -> bool:
-        return self.prev is not None or self.next is not None
-
-
-class _Pool:
-    """One of the small and large pools: free mapped blocks by (stream, size, address) and, for
-    expandable segments, unmapped ranges by (stream, address)."""
-
-    def __init__(self, is_small: bool):
-        self.is_small = is_small
-        self.free: list[tuple[int, int, int, _Block]] = []
-        self.unmapped: list[tuple[int, int, _Block]] = []
-        self.free_block_calls = 0  # get_free_blocks_call_count, the age clock of gc
-
-    def insert(self, block: _Block) -> None:
-        block.gc_base = self.free_block_calls
-        bisect.insort(self.free, (block.stream, block.size, block.addr, block), key=lambda e: e[:3])
-
-    def remove(self, block: _Block) -> None:
-        key = (block.stream, block.size, block.addr)
-        index = bisect.bisect_left(self.free, key, key=lambda e: e[:3])
-        assert self.free[index][3] is block, "allocator model: a free block went missing"
-        del self.free[index]
-
-    def insert_unmapped(self, block: _Block) -> None:
-        bisect.insort(self.unmapped, (block.stream, block.addr, block), key=lambda e: e[:2])
-
-    def remove_unmapped(self, block: _Block) -> None:
-        index = bisect.bisect_left(self.unmapped, (block.stream, block.addr), key=lambda e: e[:2])
-        assert self.unmapped[index][2] is block, "allocator model: an unmapped range went missing"
-        del self.unmapped[index]
-
-
-@dataclass(frozen=True)
-class AllocatorReport:
-    """What a replay saw: torch's ``memory_stats`` names, peak and at the end."""
-
-    peak_allocated_bytes: int  # max_memory_allocated: block sizes, after rounding
-    peak_requested_bytes: int  # the bytes asked for (what the memory meter counts)
-    peak_reserved_bytes: int  # max_memory_reserved: segments held from the device
-    reserved_bytes: int  # at the end
-    allocated_bytes: int
-    segments: int
-    peak_segments: int
-    device_allocs: int  # cudaMalloc (or page map) calls
-    retries: int  # out-of-memory retries after releasing cached blocks
-    settings: str
-
-    @property
-    def fragmentation_bytes(self) -> int:
-        """Reserved at its peak but not allocated at the allocated peak: what rounding, splits,
-        per-stream pools and cached segments cost."""
-        return self.peak_reserved_bytes - self.peak_allocated_bytes
-
 
 class CachingAllocatorModel:
     """One device's caching allocator. ``capacity_bytes`` is the device memory the allocator may
@@ -140,8 +67,8 @@ class CachingAllocatorModel:
     def __init__(self, settings: AllocatorSettings | None = None, capacity_bytes: int | None = None):
         self.settings = settings or AllocatorSettings()
         self.capacity = capacity_bytes
-        self.max_split = self.settings.max_split_size or _UNLIMITED
-        self.small, self.large = _Pool(True), _Pool(False)
+        self.max_split = self.settings.max_split_size or UNLIMITED
+        self.small, self.large = Pool(True), Pool(False)
         self.allowed = None
         if self.settings.memory_fraction is not None and capacity_bytes is not None:
             self.allowed = int(self.settings.memory_fraction * capacity_bytes)
@@ -149,10 +76,10 @@ class CachingAllocatorModel:
         self.peak_reserved = self.peak_allocated = self.peak_requested = 0
         self.segments = self.peak_segments = self.device_allocs = self.retries = 0
         self._next_addr = 1 << 40
-        self._expandable: dict[tuple[int, bool], _Block] = {}  # (stream, small) -> segment head
+        self._expandable: dict[tuple[int, bool], Block] = {}  # (stream, small) -> segment head
 
     # --- the request path (DeviceCachingAllocator::malloc) -----------------------------------
-    def malloc(self, nbytes: int, stream: int = 0) -> _Block:
+    def malloc(self, nbytes: int, stream: int = 0) -> Block:
         size = self.round_size(nbytes)
         pool = self.small if size <= SMALL_SIZE else self.large
         block = self._get_free_block(pool, stream, size)
@@ -168,7 +95,7 @@ class CachingAllocatorModel:
                 raise SimulatedOutOfMemory(nbytes, self.allocated, self.reserved, self._limit())
         return self._alloc_found(block, size, nbytes)
 
-    def free(self, block: _Block) -> None:
+    def free(self, block: Block) -> None:
         assert block.allocated, "allocator model: a block freed twice"
         block.allocated = False
         self.allocated -= block.size
@@ -181,9 +108,9 @@ class CachingAllocatorModel:
     def round_size(self, nbytes: int) -> int:
         if nbytes < MIN_BLOCK:
             return MIN_BLOCK
-        divisions = self.settings.roundup_power2_divisions[_interval(nbytes)]
+        divisions = self.settings.roundup_power2_divisions[power2_interval(nbytes)]
         if divisions > 1 and nbytes > MIN_BLOCK * divisions:
-            return _next_division(nbytes, divisions)
+            return next_division(nbytes, divisions)
         return -(-nbytes // MIN_BLOCK) * MIN_BLOCK
 
     def allocation_size(self, size: int) -> int:
@@ -201,7 +128,7 @@ class CachingAllocatorModel:
         )  # fmt: skip
 
     # --- finding and splitting ----------------------------------------------------------------
-    def _get_free_block(self, pool: _Pool, stream: int, size: int) -> _Block | None:
+    def _get_free_block(self, pool: Pool, stream: int, size: int) -> Block | None:
         if self.allowed is not None and self.settings.garbage_collection_threshold:
             pool.free_block_calls += 1
         free = pool.free
@@ -211,7 +138,7 @@ class CachingAllocatorModel:
         block = free[index][3]
         if block.expandable:
             # Best fit counts a block followed by unmapped space as the size it can grow to.
-            def growable(b: _Block) -> int:
+            def growable(b: Block) -> int:
                 return b.size + (b.next.size if b.next is not None and not b.next.mapped else 0)
 
             while block.expandable and index + 1 < len(free) and free[index + 1][0] == stream:
@@ -226,7 +153,7 @@ class CachingAllocatorModel:
         del free[index]
         return block
 
-    def _alloc_found(self, block: _Block, size: int, nbytes: int) -> _Block:
+    def _alloc_found(self, block: Block, size: int, nbytes: int) -> Block:
         pool = block.pool
         remaining = block.size - size
         if pool.is_small or self.settings.expandable_segments:
@@ -234,7 +161,7 @@ class CachingAllocatorModel:
         else:
             split = size < self.max_split and remaining > SMALL_SIZE
         if split:
-            rest = _Block(pool, block.stream, block.addr + size, remaining, block.expandable)
+            rest = Block(pool, block.stream, block.addr + size, remaining, block.expandable)
             rest.prev, rest.next = block, block.next
             if block.next is not None:
                 block.next.prev = rest
@@ -249,7 +176,7 @@ class CachingAllocatorModel:
         self.peak_requested = max(self.peak_requested, self.requested)
         return block
 
-    def _merge(self, dst: _Block, src: _Block | None, pool: _Pool) -> int:
+    def _merge(self, dst: Block, src: Block | None, pool: Pool) -> int:
         if src is None or src.allocated or src.mapped != dst.mapped:
             return 0
         if src.mapped:
@@ -270,14 +197,14 @@ class CachingAllocatorModel:
     # --- new segments and giving them back ----------------------------------------------------
     def _limit(self) -> int:
         limits = [x for x in (self.allowed, self.capacity) if x is not None]
-        return min(limits) if limits else _UNLIMITED
+        return min(limits) if limits else UNLIMITED
 
     def _reserve(self, nbytes: int) -> None:
         self.reserved += nbytes
         self.peak_reserved = max(self.peak_reserved, self.reserved)
         self.device_allocs += 1
 
-    def _alloc_block(self, pool: _Pool, stream: int, size: int) -> _Block | None:
+    def _alloc_block(self, pool: Pool, stream: int, size: int) -> Block | None:
         alloc_size = self.allocation_size(size)
         if self.allowed is not None and self.reserved + alloc_size > self.allowed:
             return None
@@ -285,13 +212,13 @@ class CachingAllocatorModel:
             return self._allocate_expandable(pool, stream, size)
         if self.capacity is not None and self.reserved + alloc_size > self.capacity:
             return None
-        block = _Block(pool, stream, self._take_addresses(alloc_size), alloc_size)
+        block = Block(pool, stream, self._take_addresses(alloc_size), alloc_size)
         self._reserve(alloc_size)
         self.segments += 1
         self.peak_segments = max(self.peak_segments, self.segments)
         return block
 
-    def _retry(self, pool: _Pool, stream: int, size: int) -> _Block | None:
+    def _retry(self, pool: Pool, stream: int, size: int) -> Block | None:
         self.retries += 1
         return self._alloc_block(pool, stream, size)
 
@@ -300,12 +227,12 @@ class CachingAllocatorModel:
         self._next_addr = addr + nbytes
         return addr
 
-    def _release_segment(self, block: _Block) -> None:
+    def _release_segment(self, block: Block) -> None:
         block.pool.remove(block)
         self.reserved -= block.size
         self.segments -= 1
 
-    def _release_available(self, pool: _Pool, stream: int, size: int) -> bool:
+    def _release_available(self, pool: Pool, stream: int, size: int) -> bool:
         if self.settings.max_split_size is None:
             return False
         wanted = max(size, self.max_split)
@@ -355,10 +282,10 @@ class CachingAllocatorModel:
                 return
 
     # --- expandable segments ------------------------------------------------------------------
-    def _page(self, pool: _Pool) -> int:
+    def _page(self, pool: Pool) -> int:
         return SMALL_BUFFER if pool.is_small else self.settings.large_segment_size
 
-    def _allocate_expandable(self, pool: _Pool, stream: int, size: int) -> _Block | None:
+    def _allocate_expandable(self, pool: Pool, stream: int, size: int) -> Block | None:
         candidate = self._expandable_candidate(pool, stream, size)
         if not candidate.mapped and not self._map(candidate, min(candidate.size, size)):
             return None
@@ -371,8 +298,8 @@ class CachingAllocatorModel:
         pool.remove(candidate)
         return candidate
 
-    def _expandable_candidate(self, pool: _Pool, stream: int, size: int) -> _Block:
-        def room(b: _Block | None) -> int:
+    def _expandable_candidate(self, pool: Pool, stream: int, size: int) -> Block:
+        def room(b: Block | None) -> int:
             total = 0
             while b is not None and not b.allocated and total < size:
                 total, b = total + b.size, b.next
@@ -390,14 +317,14 @@ class CachingAllocatorModel:
         # A new segment's address space: 9/8 of the device's memory, as torch reserves it.
         span = (self.capacity or (1 << 46)) * 9 // 8
         span = -(-span // self._page(pool)) * self._page(pool)
-        block = _Block(pool, stream, self._take_addresses(span, self._page(pool)), span, expandable=True)
+        block = Block(pool, stream, self._take_addresses(span, self._page(pool)), span, expandable=True)
         block.mapped = False
         pool.insert_unmapped(block)
         self.segments += 1
         self.peak_segments = max(self.peak_segments, self.segments)
         return block
 
-    def _map(self, block: _Block, size: int) -> bool:
+    def _map(self, block: Block, size: int) -> bool:
         page = self._page(block.pool)
         mapped = min(-(-size // page) * page, block.size)
         if self.capacity is not None and self.reserved + mapped > self.capacity:
@@ -406,7 +333,7 @@ class CachingAllocatorModel:
         pool.remove_unmapped(block)
         block.mapped = True
         if mapped < block.size:
-            rest = _Block(pool, block.stream, block.addr + mapped, block.size - mapped, expandable=True)
+            rest = Block(pool, block.stream, block.addr + mapped, block.size - mapped, expandable=True)
             rest.mapped = False
             rest.prev, rest.next = block, block.next
             if block.next is not None:
@@ -420,7 +347,7 @@ class CachingAllocatorModel:
         self._reserve(mapped)
         return True
 
-    def _unmap(self, block: _Block) -> None:
+    def _unmap(self, block: Block) -> None:
         page = self._page(block.pool)
         begin = -(-block.addr // page) * page
         end = (block.addr + block.size) // page * page
@@ -429,14 +356,14 @@ class CachingAllocatorModel:
         pool = block.pool
         pool.remove(block)
         if begin > block.addr:
-            before = _Block(pool, block.stream, block.addr, begin - block.addr, expandable=True)
+            before = Block(pool, block.stream, block.addr, begin - block.addr, expandable=True)
             before.prev, before.next = block.prev, block
             if block.prev is not None:
                 block.prev.next = before
             block.prev = before
             pool.insert(before)
         if block.addr + block.size > end:
-            after = _Block(pool, block.stream, end, block.addr + block.size - end, expandable=True)
+            after = Block(pool, block.stream, end, block.addr + block.size - end, expandable=True)
             after.prev, after.next = block, block.next
             if block.next is not None:
                 block.next.prev = after
@@ -452,22 +379,6 @@ class CachingAllocatorModel:
             self.segments -= 1  # release_expandable_segment: nothing of it is mapped
 
 
-def _interval(nbytes: int) -> int:
-    # roundup_power2_divisions(size): intervals start at 1 MiB (2^20) and the last covers 2^35 up.
-    return min(max(nbytes.bit_length() - 1 - 20, 0), 15)
-
-
-def _next_division(size: int, divisions: int) -> int:
-    if size & (size - 1) == 0:
-        return size
-    floor = 1 << (size.bit_length() - 1)
-    step = floor >> (divisions.bit_length() - 1)
-    if step == 0:
-        return floor << 1
-    rounded = size & ~(step - 1)
-    return size if rounded == size else rounded + step
-
-
 def replay(
     events: Iterable[tuple[int, int, int, int]],
     settings: AllocatorSettings | None = None,
@@ -477,7 +388,7 @@ def replay(
     ``id``, op ``0`` frees ``id``; zero-byte requests hold nothing, as torch returns no block
     for them). Raises ``SimulatedOutOfMemory`` where the device would."""
     model = CachingAllocatorModel(settings, capacity_bytes)
-    live: dict[int, _Block] = {}
+    live: dict[int, Block] = {}
     for op, ident, nbytes, stream in events:
         if op:
             if nbytes:

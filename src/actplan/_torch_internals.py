@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,6 +76,7 @@ __all__ = [
     "StorageWeakRef",
     "TorchDispatchMode",
     "TorchInternalsError",
+    "allow_checkpoint_side_effects",
     "capture_data_dependent_shapes",
     "checkpoint_frame",
     "compile_module_under",
@@ -84,6 +85,7 @@ __all__ = [
     "in_backward",
     "is_compiled_module",
     "is_traceable_wrapper_subclass",
+    "layer_compile_flags",
     "op_name",
     "op_schema",
     "probe",
@@ -236,6 +238,26 @@ def capture_data_dependent_shapes() -> Any:
     import torch._dynamo
 
     return torch._dynamo.config.patch(capture_scalar_outputs=True, capture_dynamic_output_shape_ops=True)
+
+
+def allow_checkpoint_side_effects() -> Any:
+    """A context in which dynamo traces a checkpointed region whose Python mutates state
+    outside it, instead of refusing it ("HOP: Unsafe side effect"). transformers 5.25 wraps
+    attention forwards (through ``kernels``' ``use_kernelized_func``) in a set and a reset of a
+    module-level variable: balanced, so not reapplying it in the backward's recompute, which is
+    what this flag gives up, changes nothing. A compiled graph's recompute runs no Python."""
+    import torch._dynamo
+
+    return torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True)
+
+
+@contextlib.contextmanager
+def layer_compile_flags() -> Iterator[None]:
+    """What ``parallelize(compile=...)`` compiles each checkpointed layer under: MoE layers'
+    data-dependent sizes (``capture_data_dependent_shapes``) and the balanced side effects of
+    third-party layer code (``allow_checkpoint_side_effects``)."""
+    with capture_data_dependent_shapes(), allow_checkpoint_side_effects():
+        yield
 
 
 # -- probes -------------------------------------------------------------------------------------

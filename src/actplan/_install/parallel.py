@@ -30,7 +30,7 @@ from actplan._install.tensor_parallel import (
     tensor_parallel_plan,
     tensor_parallelize,
 )
-from actplan._torch_internals import capture_data_dependent_shapes, compile_module_under, is_compiled_module
+from actplan._torch_internals import compile_module_under, is_compiled_module, layer_compile_flags
 from actplan.config import ConfigError, RecomputeConfig
 
 __all__ = ["parallelize", "tensor_parallel_plan", "tensor_parallelize"]
@@ -149,9 +149,10 @@ def parallelize(
     plan = apply(model, config)
     for _, layer in find_layers(model):
         if compile_options is not None:
-            # MoE layers' per-expert splits are data-dependent sizes: dynamo traces them into
-            # the one graph under these flags (set for these layers' calls only).
-            compile_module_under(layer, compile_options, capture_data_dependent_shapes)
+            # MoE layers' per-expert splits are data-dependent sizes, and third-party layers
+            # may set and reset a global: dynamo traces both into the one graph under these
+            # flags (set for these layers' calls only).
+            compile_module_under(layer, compile_options, layer_compile_flags)
         if dp_mesh is not None and layer is not model:
             # a model that is itself one layer is sharded once, as the root
             fully_shard(

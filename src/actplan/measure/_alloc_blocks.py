@@ -66,7 +66,8 @@ class Pool:
     def remove(self, block: Block) -> None:
         key = (block.stream, block.size, block.addr)
         index = bisect.bisect_left(self.free, key, key=lambda e: e[:3])
-        assert self.free[index][3] is block, "allocator model: a free block went missing"
+        if index == len(self.free) or self.free[index][3] is not block:
+            raise RuntimeError("internal error: allocator model: a free block went missing; please report it")
         del self.free[index]
 
     def insert_unmapped(self, block: Block) -> None:
@@ -74,7 +75,10 @@ class Pool:
 
     def remove_unmapped(self, block: Block) -> None:
         index = bisect.bisect_left(self.unmapped, (block.stream, block.addr), key=lambda e: e[:2])
-        assert self.unmapped[index][2] is block, "allocator model: an unmapped range went missing"
+        if index == len(self.unmapped) or self.unmapped[index][2] is not block:
+            raise RuntimeError(
+                "internal error: allocator model: an unmapped range went missing; please report it"
+            )
         del self.unmapped[index]
 
 

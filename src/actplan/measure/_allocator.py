@@ -96,7 +96,8 @@ class CachingAllocatorModel:
         return self._alloc_found(block, size, nbytes)
 
     def free(self, block: Block) -> None:
-        assert block.allocated, "allocator model: a block freed twice"
+        if not block.allocated:
+            raise ValueError("allocator model: a block freed twice; free each malloc'd block once")
         block.allocated = False
         self.allocated -= block.size
         self.requested -= block.requested
@@ -291,7 +292,11 @@ class CachingAllocatorModel:
             return None
         while candidate.size < size:
             following = candidate.next
-            assert following is not None and not following.mapped
+            if following is None or following.mapped:
+                raise RuntimeError(
+                    "internal error: allocator model: an expandable segment has no room to grow "
+                    "where it found some; please report it"
+                )
             if not self._map(following, min(size - candidate.size, following.size)):
                 return None
             candidate = following

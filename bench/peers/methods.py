@@ -25,7 +25,7 @@ Sits on top of ``actplan`` and its reference models; nothing in ``actplan`` impo
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from functools import partial
 from types import FunctionType, MethodType
@@ -37,8 +37,14 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from actplan._install.apply import apply, find_layers
+from actplan._install.baselines import (
+    ATTENTION_KERNELS,
+    TITAN_SAVE_OPS,
+    checkpoint_every_layer,
+    titan_op_sac,
+    titan_policy,
+)
 from actplan.config import RecomputeConfig
-from actplan.evaluate.contenders import checkpoint_every_layer
 from actplan.models.dense import Attention, SwiGLU, apply_rope, dropout
 from actplan.models.moe import MoE
 
@@ -46,46 +52,7 @@ aten = torch.ops.aten
 _c10d = torch.ops._c10d_functional
 
 
-def _existing(names: Iterable[tuple[Any, str]]) -> frozenset:
-    """The op overloads among ``names`` that this torch build has."""
-    return frozenset(getattr(ns, name).default for ns, name in names if hasattr(ns, name))
-
-
-ATTENTION_KERNELS = _existing(
-    (aten, name)
-    for name in (
-        "_scaled_dot_product_efficient_attention",
-        "_scaled_dot_product_flash_attention",
-        "_scaled_dot_product_flash_attention_for_cpu",
-        "_scaled_dot_product_cudnn_attention",
-        "_scaled_dot_product_fused_attention_overrideable",
-    )
-)
-"""Fused attention kernels, CPU's included (torchtitan lists the GPU ones; on a CPU run the
-CPU kernel stands in for them, or the comparison would recompute attention on one side only)."""
-
-TITAN_SAVE_OPS = ATTENTION_KERNELS | _existing(
-    [(_c10d, "reduce_scatter_tensor"), (_c10d, "all_to_all_single"), (aten, "max")]
-)
-"""Non-matmul ops torchtitan's op-level policy always saves: attention kernels, the
-reduce-scatter and all-to-all collectives, and ``max`` (float8 scaling)."""
-
-
-def _titan_policy() -> Callable[..., CheckpointPolicy]:
-    """torchtitan's documented op-level rule, fresh for each layer forward: save the ops in
-    ``TITAN_SAVE_OPS`` and the 1st, 3rd, 5th, ... matmul; recompute everything else."""
-    # torch < 2.13 asks the policy again during recompute and expects the forward's answers:
-    # as torchtitan does, the forward and the recompute count their matmuls apart.
-    matmuls_seen = {False: 0, True: 0}
-
-    def policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
-        if func is aten.mm.default:
-            matmuls_seen[ctx.is_recompute] += 1
-            saved = matmuls_seen[ctx.is_recompute] % 2
-            return CheckpointPolicy.MUST_SAVE if saved else CheckpointPolicy.PREFER_RECOMPUTE
-        return CheckpointPolicy.MUST_SAVE if func in TITAN_SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
-
-    return policy
+_titan_policy = titan_policy  # the tests' name for it
 
 
 def _every_matmul_policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
@@ -94,13 +61,7 @@ def _every_matmul_policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def titan_op_sac_installer(model: nn.Module) -> str:
-    checkpoint_every_layer(
-        model,
-        context_fn=lambda: create_selective_checkpoint_contexts(_titan_policy()),
-        preserve_rng_state=False,
-    )
-    return "op-level SAC, torchtitan's default save list (attention, collectives, every other mm)"
+titan_op_sac_installer = titan_op_sac
 
 
 def op_sac_matmuls_installer(model: nn.Module) -> str:

@@ -82,6 +82,7 @@ __all__ = [
     "compile_module_under",
     "detach_alias",
     "disable_current_modes",
+    "fake_process_group_store",
     "in_backward",
     "is_compiled_module",
     "is_traceable_wrapper_subclass",
@@ -100,6 +101,7 @@ __all__ = [
     "tree_leaves",
     "tree_map",
     "tree_unflatten",
+    "watch_fsdp_storage_resizes",
 ]
 
 disable_current_modes = _disable_current_modes
@@ -258,6 +260,73 @@ def layer_compile_flags() -> Iterator[None]:
     third-party layer code (``allow_checkpoint_side_effects``)."""
     with capture_data_dependent_shapes(), allow_checkpoint_side_effects():
         yield
+
+
+# -- FSDP2 on a fake process group ---------------------------------------------------------------
+
+_FSDP_PARAM = "torch.distributed.fsdp._fully_shard._fsdp_param"
+_FSDP_PARAM_GROUP = "torch.distributed.fsdp._fully_shard._fsdp_param_group"
+
+
+def fake_process_group_store() -> Any:
+    """A store for torch's ``fake`` process-group backend (``init_process_group("fake", ...)``):
+    collectives that return at once with outputs of the right shapes, for one rank of a world
+    of any size, in one process."""
+    try:
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+    except ImportError as err:
+        raise TorchInternalsError(
+            f"torch {torch.__version__} has no fake process group "
+            "(torch.testing._internal.distributed.fake_pg.FakeStore): estimate this layout with "
+            "--fsdp 1, or install the torch release actplan is tested with"
+        ) from err
+    return FakeStore()
+
+
+@contextlib.contextmanager
+def watch_fsdp_storage_resizes(on_resize: Callable[[torch.Tensor], None]) -> Iterator[None]:
+    """While the block runs, ``on_resize(tensor)`` follows every storage FSDP2 grows or frees in
+    place (``alloc_storage`` / ``free_storage`` of ``_fsdp_param``: its all-gather outputs and
+    unsharded parameters are kept as storages resized between full size and 0). A dispatch
+    mode sees no storage resize, and without these a meter would count an unsharded layer as
+    alive from its first all-gather to the end. Restored on exit. Nothing to follow, and
+    nothing changed, while FSDP2 has not been imported."""
+    import importlib
+    import sys
+
+    if _FSDP_PARAM not in sys.modules:
+        yield
+        return
+    modules = [importlib.import_module(name) for name in (_FSDP_PARAM, _FSDP_PARAM_GROUP)]
+    param_module = modules[0]
+    for name in ("alloc_storage", "free_storage"):
+        if not callable(getattr(param_module, name, None)):
+            raise TorchInternalsError(
+                f"torch {torch.__version__}: {_FSDP_PARAM}.{name} is gone, so the estimate cannot "
+                "follow FSDP2's unsharded parameters; estimate with the stated formula (--fsdp 1) "
+                "or install the torch release actplan is tested with"
+            )
+    originals = {
+        (module, name): getattr(module, name)
+        for module in modules
+        for name in ("alloc_storage", "free_storage")
+        if hasattr(module, name)
+    }
+
+    def watched(original: Callable[[torch.Tensor], None]) -> Callable[[torch.Tensor], None]:
+        def resize(tensor: torch.Tensor) -> None:
+            original(tensor)
+            on_resize(tensor)
+
+        return resize
+
+    for (module, name), original in originals.items():
+        setattr(module, name, watched(original))
+    try:
+        yield
+    finally:
+        for (module, name), original in originals.items():
+            setattr(module, name, original)
 
 
 # -- probes -------------------------------------------------------------------------------------

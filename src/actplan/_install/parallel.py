@@ -17,7 +17,7 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from actplan import integrations
 from actplan._install.apply import _with_saved_layouts, apply, find_layers, plan_for
@@ -45,6 +45,7 @@ def parallelize(
     sequence_parallel: bool | None = None,
     compile: bool | Mapping[str, Any] = False,
     reshard_after_forward: bool = True,
+    mp_policy: MixedPrecisionPolicy | None = None,
 ) -> Plan:
     """Tensor-parallelise, checkpoint, optionally compile, and FSDP2-shard ``model``; returns
     the installed plan.
@@ -123,6 +124,10 @@ def parallelize(
         reshard_after_forward: passed to each layer's ``fully_shard``. ``True``
             frees unsharded parameters after each layer's forward and
             all-gathers them again in backward; ``False`` keeps them.
+        mp_policy: FSDP2's mixed precision, passed to every ``fully_shard``
+            (``MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+            reduce_dtype=torch.float32)`` is torchtitan's bf16 training); ``None`` keeps
+            FSDP's default, parameters and reductions in their own dtype.
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module`` or ``mesh`` not a ``DeviceMesh``.
@@ -147,6 +152,7 @@ def parallelize(
         plan_for(model, config, _with_saved_layouts(model, integrations.recognising(model), None))
         apply_tp_plan(model, tp_mesh, styles)
     plan = apply(model, config)
+    sharding = {} if mp_policy is None else {"mp_policy": mp_policy}
     for _, layer in find_layers(model):
         if compile_options is not None:
             # MoE layers' per-expert splits are data-dependent sizes, and third-party layers
@@ -160,10 +166,11 @@ def parallelize(
                 mesh=dp_mesh,
                 reshard_after_forward=reshard_after_forward,
                 ignored_params={p for p in layer.parameters() if p in expert_params} or None,
+                **sharding,
             )
     if dp_mesh is not None:
         # The root keeps FSDP's default: not resharded after forward, as backward starts with its head.
-        fully_shard(model, mesh=dp_mesh, ignored_params=expert_params or None)
+        fully_shard(model, mesh=dp_mesh, ignored_params=expert_params or None, **sharding)
     world = mesh.size()
     for param in expert_params:
         # The all-to-all backward summed every rank's tokens into it; FSDP averages the rest.

@@ -46,10 +46,12 @@ def shape_from_args(args: argparse.Namespace):
 
 
 def estimate(args: argparse.Namespace, console: Console) -> int:
+    from actplan.measure import AllocatorSettings, settings_from_env
     from actplan.planning.estimate import estimate as run_estimate
 
     shape = shape_from_args(args)
     shape.per_rank(args.tp, args.ep)  # a layout that does not divide fails before any work
+    allocator = AllocatorSettings.parse(args.alloc_conf) if args.alloc_conf else settings_from_env()
     budget = None if args.budget is None else parse_bytes(args.budget)
     if budget is not None and budget < 2**20:
         raise ValueError(f"--budget {args.budget!r} is under 1 MiB; write it with a unit, e.g. '80GiB'")
@@ -66,6 +68,7 @@ def estimate(args: argparse.Namespace, console: Console) -> int:
         ep=args.ep,
         budget_bytes=budget,
         plans=args.plan or bool(args.out),
+        allocator=allocator,
         progress=progress,
     )
     console.print(estimate_table(result))
@@ -96,27 +99,31 @@ def estimate(args: argparse.Namespace, console: Console) -> int:
 
 def estimate_table(result) -> Table:
     gib = 2**30
+    static = f"static {result.static_bytes / gib:.1f} GiB"
+    if result.gathered_bytes:
+        static += f" + gathered {result.gathered_bytes / gib:.1f} GiB"
     table = Table(
         title=f"{result.description}\n{result.gpu}, FSDP over {result.fsdp}: "
-        f"{result.parameters / 1e9:.2f} B parameters on this rank, static {result.static_bytes / gib:.1f} "
-        f"GiB + gathered {result.gathered_bytes / gib:.1f} GiB per GPU",
+        f"{result.parameters / 1e9:.2f} B parameters on this rank before sharding, {static} per GPU\n"
+        f"{result.method}; allocator: {result.allocator_settings}",
         caption=f"estimated on fake tensors in {result.seconds_taken:.0f} s; times are estimates",
     )
-    headers = ["preset / plan", "activations (end of fwd)", "step peak", "peak per GPU"]
-    headers += ["est. step", "vs none"]
+    headers = ["preset / plan", "activations (end of fwd)", "step peak", "peak allocated"]
+    headers += ["peak reserved", "est. step", "vs none"]
     plans = bool(result.plans)
     if plans:
         headers += ["planner predicted"]
+    headers += ["fits"]
     for header in headers:
-        table.add_column(header, justify="left" if header == "preset / plan" else "right")
-    if result.budget_bytes is not None or plans:
-        table.add_column("fits", justify="center")
+        justify = {"preset / plan": "left", "fits": "center"}.get(header, "right")
+        table.add_column(header, justify=justify)
     for row in result.rows:
         cells = [
             row.preset,
             f"{row.activation_bytes / gib:,.2f} GiB",
             f"{row.step_peak_bytes / gib:,.2f} GiB",
-            f"{row.peak_bytes / gib:,.2f} GiB",
+            f"{row.allocated_peak_bytes / gib:,.2f} GiB",
+            f"{row.reserved_peak_bytes / gib:,.2f} GiB",
             f"{row.seconds * 1e3:,.0f} ms",
             "-" if row.ratio_to_none is None else f"{row.ratio_to_none:.3f}x",
         ]
@@ -126,7 +133,6 @@ def estimate_table(result) -> Table:
                 if row.predicted_peak_bytes is None
                 else f"{row.predicted_peak_bytes / gib:,.2f} GiB, {row.predicted_ratio:.3f}x"
             )
-        if result.budget_bytes is not None or plans:
-            cells.append("-" if row.fits is None else ("yes" if row.fits else "no"))
+        cells.append("-" if row.fits is None else ("yes" if row.fits else "no"))
         table.add_row(*cells)
     return table

@@ -121,7 +121,16 @@ def _add_estimate(sub) -> None:
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (with sequence parallel)")
     parser.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (taken from the FSDP ones)")
     parser.add_argument(
-        "--presets", default="none,full,attn,matmuls,megatron-selective", help="comma-separated presets"
+        "--presets",
+        default="none,full,attn,matmuls,megatron-selective",
+        help="comma-separated presets, and what users run today: torch-checkpoint (every layer "
+        "whole), titan-op-sac (torchtitan's op-level selective checkpointing)",
+    )
+    parser.add_argument(
+        "--alloc-conf",
+        metavar="SETTINGS",
+        help="the CUDA caching allocator's settings, as PYTORCH_ALLOC_CONF takes them (e.g. "
+        "expandable_segments:True); default: PYTORCH_ALLOC_CONF or PYTORCH_CUDA_ALLOC_CONF, else torch's",
     )
     parser.add_argument(
         "--budget", help="memory per GPU with a unit ('80GiB'): which presets fit, and the plan for it"

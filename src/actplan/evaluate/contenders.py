@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from actplan._engine.offload import quiet_empty_offload
-from actplan._install.apply import apply, find_layers, held_by_unit, offload_engine
+from actplan._install.apply import apply, held_by_unit, offload_engine
+from actplan._install.baselines import torch_checkpoint
 from actplan.config import ConfigError, RecomputeConfig
 from actplan.measure import (
     GradCensus,
@@ -74,21 +74,6 @@ class PolicyRow:
     roofline_gpu: str | None = None
 
 
-def checkpoint_every_layer(model: nn.Module, **checkpoint_kwargs: Any) -> None:
-    """Wrap every layer in non-reentrant ``torch.utils.checkpoint``, without actplan.
-
-    With no keyword arguments this is what most trainers do; ``checkpoint_kwargs`` (a
-    ``context_fn``, ``preserve_rng_state``) make the op-level variants the peers bench uses.
-    """
-    for _, layer in find_layers(model):
-        forward = layer.forward
-
-        def wrapped(*args, _forward=forward, **kwargs):
-            return checkpoint(_forward, *args, use_reentrant=False, **checkpoint_kwargs, **kwargs)
-
-        layer.forward = wrapped
-
-
 Installer = Callable[[nn.Module], str]
 """Installs one way of checkpointing on a fresh copy of the model and describes it."""
 
@@ -98,9 +83,7 @@ def config_installer(config: RecomputeConfig) -> Installer:
     return lambda model: apply(model, config).summary()
 
 
-def torch_checkpoint_installer(model: nn.Module) -> str:
-    checkpoint_every_layer(model)
-    return "torch.utils.checkpoint(use_reentrant=False) per layer, no actplan"
+torch_checkpoint_installer: Installer = torch_checkpoint
 
 
 def has_hf_gradient_checkpointing(model: nn.Module) -> bool:

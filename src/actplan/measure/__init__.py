@@ -3,13 +3,18 @@ timer and gradient-parity checks, used by the benchmarks, the planner and the CL
 saves memory, to price its overhead, and to prove it changes no gradient.
 
 This package only re-exports; the work is in ``_memory`` (with ``_tracker``), ``_fake`` (runs on
-fake tensors), ``_roofline`` (estimated time on a named accelerator), ``_counting``,
+fake tensors), ``_roofline`` (estimated time on a named accelerator), ``_allocator`` (with
+``_alloc_blocks`` and ``_alloc_conf``: what torch's CUDA caching allocator reserves), ``_counting``,
 ``_timing`` and ``_parity``. It imports torch, the standard library, ``actplan._storage`` and
 ``actplan._torch_internals``.
 """
 
 from __future__ import annotations
 
+from actplan.measure._alloc_blocks import AllocatorReport, SimulatedOutOfMemory
+from actplan.measure._alloc_conf import AllocatorSettings, AllocatorSettingsError, settings_from_env
+from actplan.measure._allocator import CachingAllocatorModel
+from actplan.measure._allocator import replay as replay_allocations
 from actplan.measure._counting import OpCounter
 from actplan.measure._fake import (
     FakeRun,
@@ -24,6 +29,7 @@ from actplan.measure._memory import (
     MemoryMeter,
     MemoryReport,
     SavedTensorMeter,
+    unique_storage_bytes,
 )
 from actplan.measure._parity import (
     GradCensus,
@@ -39,6 +45,10 @@ from actplan.measure._timing import RatioStats, TimingStats, interleaved_timing,
 __all__ = [
     "ACCELERATORS",
     "Accelerator",
+    "AllocatorReport",
+    "AllocatorSettings",
+    "AllocatorSettingsError",
+    "CachingAllocatorModel",
     "FakeRun",
     "FakeValueError",
     "GradCensus",
@@ -51,6 +61,7 @@ __all__ = [
     "RooflineClock",
     "RoutingRecorder",
     "SavedTensorMeter",
+    "SimulatedOutOfMemory",
     "StepCapture",
     "TimingStats",
     "accelerator",
@@ -62,4 +73,7 @@ __all__ = [
     "interleaved_timing",
     "is_fake",
     "ratio",
+    "replay_allocations",
+    "settings_from_env",
+    "unique_storage_bytes",
 ]

@@ -6,6 +6,7 @@ bytes autograd saves for backward, for compiled code). Imports ``_tracker`` and
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -14,7 +15,13 @@ import torch
 from torch import nn
 
 from actplan._storage import owned_storages, storage_key
-from actplan._torch_internals import FakeTensor, FakeTensorMode, storage_key_of
+from actplan._torch_internals import (
+    FakeTensor,
+    FakeTensorMode,
+    is_traceable_wrapper_subclass,
+    storage_key_of,
+    watch_fsdp_storage_resizes,
+)
 from actplan.measure._tracker import CompiledCodeTracker, StorageTracker
 
 DEFAULT_TIMELINE_CAP = 4096
@@ -62,13 +69,36 @@ def _storage_key(tensor: torch.Tensor) -> int | None:
 
 def fake_mode_of(tensors: Iterable[torch.Tensor]) -> FakeTensorMode | None:
     """The ``FakeTensorMode`` of the first fake tensor in ``tensors`` (a model built under one),
-    or None for real tensors."""
-    return next((t.fake_mode for t in tensors if isinstance(t, FakeTensor)), None)
-
-
-def _unique_storage_bytes(tensors: Iterable[torch.Tensor]) -> dict[int, int]:
-    sizes: dict[int, int] = {}
+    looking inside tensor subclasses (FSDP2's and TP's DTensor parameters), or None for real
+    tensors."""
     for tensor in tensors:
+        if isinstance(tensor, FakeTensor):
+            return tensor.fake_mode
+        if is_traceable_wrapper_subclass(tensor):
+            names, _ = tensor.__tensor_flatten__()
+            found = fake_mode_of(getattr(tensor, name) for name in names)
+            if found is not None:
+                return found
+    return None
+
+
+def _plain(tensors: Iterable[torch.Tensor]) -> Iterable[torch.Tensor]:
+    """The tensors that hold memory: subclasses (DTensor) by the tensors they wrap."""
+    for tensor in tensors:
+        subclass = type(tensor) is not torch.Tensor and not isinstance(tensor, FakeTensor)
+        if subclass and is_traceable_wrapper_subclass(tensor):
+            names, _ = tensor.__tensor_flatten__()
+            inner = (getattr(tensor, name) for name in names)
+            yield from _plain(t for t in inner if isinstance(t, torch.Tensor))
+        else:
+            yield tensor
+
+
+def unique_storage_bytes(tensors: Iterable[torch.Tensor]) -> dict[int, int]:
+    """Bytes of each distinct storage among ``tensors`` (subclasses by the tensors they wrap),
+    by storage key."""
+    sizes: dict[int, int] = {}
+    for tensor in _plain(tensors):
         key = _storage_key(tensor)
         if key is not None and key not in sizes:
             sizes[key] = tensor.untyped_storage().nbytes()
@@ -94,10 +124,13 @@ class MemoryMeter:
     entering again starts afresh.
 
     Blind spots: logical storage bytes, not allocator blocks (no CUDA rounding or
-    fragmentation; ``cuda_max_allocated_bytes`` is the cross-check); growth by ``resize_`` of a
-    storage that predates the window (FSDP2 reuses unsharded-parameter storages that way);
-    sparse tensors; and compiled code. By default torch.compile does not run compiled code while
-    a dispatch mode is active: a compiled region runs, and is measured, as its eager equivalent,
+    fragmentation; ``cuda_max_allocated_bytes`` is the cross-check, and with
+    ``trace_allocations=True`` the window's allocations and frees, in order, replay through
+    the caching-allocator model); FSDP2's unsharded parameters, which it frees and regrows by
+    resizing their storages in place, unless ``follow_fsdp=True`` (then they count from each
+    all-gather to each reshard, and activation figures include them); sparse tensors; and
+    compiled code. By default torch.compile does not run compiled code while a dispatch mode
+    is active: a compiled region runs, and is measured, as its eager equivalent,
     and on torch 2.13 dynamo then keeps running that region eagerly after the meter has gone.
     With ``run_compiled=True`` compiled regions run compiled inside the window and the meter
     counts the storages returned by the aten ops they dispatch: every allocation of a graph
@@ -112,8 +145,12 @@ class MemoryMeter:
         *,
         timeline_cap: int = DEFAULT_TIMELINE_CAP,
         run_compiled: bool = False,
+        trace_allocations: bool = False,
+        follow_fsdp: bool = False,
     ) -> None:
         self.model = model
+        self.trace_allocations = trace_allocations
+        self.follow_fsdp = follow_fsdp
         self.optimizer = optimizer
         self.timeline_cap = timeline_cap
         self.run_compiled = run_compiled
@@ -128,19 +165,23 @@ class MemoryMeter:
         self._resident_bytes = 0
         self._cuda_base_allocated: int | None = None
         self._cuda_max_allocated: int | None = None
+        self._resizes: Any = None
+        self.trace_marks: dict[str, int] = {}
 
     def __enter__(self) -> MemoryMeter:
         if self._active:
             raise RuntimeError("MemoryMeter is already active; a meter measures one window at a time")
         params = self._parameters()
-        param_sizes = _unique_storage_bytes(params)
-        grad_sizes = _unique_storage_bytes(p.grad for p in params if p.grad is not None)
-        optimizer_sizes = _unique_storage_bytes(self._optimizer_state_tensors())
+        param_sizes = unique_storage_bytes(params)
+        grad_sizes = unique_storage_bytes(p.grad for p in params if p.grad is not None)
+        optimizer_sizes = unique_storage_bytes(self._optimizer_state_tensors())
         self._param_bytes = sum(param_sizes.values())
         self._grad_bytes = sum(grad_sizes.values())
         self._optimizer_bytes = sum(optimizer_sizes.values())
         self._resident_bytes = sum({**optimizer_sizes, **grad_sizes, **param_sizes}.values())
         self._marks = {}
+        # With trace_allocations: where each mark fell in the allocation trace (its length then).
+        self.trace_marks: dict[str, int] = {}
         self._end = None
         self._cuda_max_allocated = None
         self._cuda_base_allocated = None
@@ -148,7 +189,11 @@ class MemoryMeter:
             torch.cuda.reset_peak_memory_stats()
             self._cuda_base_allocated = torch.cuda.memory_allocated()
         tracker_type = CompiledCodeTracker if self.run_compiled else StorageTracker
-        self._tracker = tracker_type(self.timeline_cap, fake_mode_of(params))
+        self._tracker = tracker_type(self.timeline_cap, fake_mode_of(params), self.trace_allocations)
+        self._resizes = (
+            watch_fsdp_storage_resizes(self._tracker.resized) if self.follow_fsdp else contextlib.nullcontext()
+        )
+        self._resizes.__enter__()
         self._tracker.__enter__()
         self._active = True
         return self
@@ -156,6 +201,7 @@ class MemoryMeter:
     def __exit__(self, *exc_info: object) -> None:
         tracker = self._active_tracker("__exit__")
         tracker.__exit__(*exc_info)
+        self._resizes.__exit__(*exc_info)
         self._end = self._classify(tracker)
         if tracker.saw_cuda:
             # CUDA first initialised inside the window started its peak statistics there, at 0.
@@ -172,12 +218,26 @@ class MemoryMeter:
         self._marks[label] = sample
         with tracker.lock:
             tracker.timeline.record_mark(label, sample.live_bytes)
+            if tracker.events is not None:
+                self.trace_marks[label] = len(tracker.events)
         return sample
 
     def live_bytes_by_op(self) -> dict[str, int]:
         """Bytes allocated in the current window and still alive, by the op that allocated each
         storage (``aten.addmm.default``, ...), largest first: what makes up the live bytes now."""
         return self._active_tracker("live_bytes_by_op").live_bytes_by_op()
+
+    def allocation_trace(self) -> list[tuple[int, int, int, int]]:
+        """The latest window's allocations and frees in order, as ``(op, id, nbytes, stream)``
+        (op 1 allocates ``nbytes`` under ``id``, op 0 frees ``id``), for the caching-allocator
+        model (``measure.replay_allocations``). Needs ``trace_allocations=True``."""
+        if self._tracker is None or self._tracker.events is None:
+            raise RuntimeError(
+                "this MemoryMeter kept no allocation trace; make it with trace_allocations=True "
+                "and run a window first"
+            )
+        with self._tracker.lock:
+            return list(self._tracker.events)
 
     @property
     def live_bytes(self) -> int:
@@ -226,8 +286,9 @@ class MemoryMeter:
 
     def _classify(self, tracker: StorageTracker) -> MarkSample:
         live = tracker.live_storages()
-        grad_keys = {_storage_key(p.grad) for p in self._parameters() if p.grad is not None}
-        optimizer_keys = {_storage_key(t) for t in self._optimizer_state_tensors()} - grad_keys
+        grads = _plain(p.grad for p in self._parameters() if p.grad is not None)
+        grad_keys = {_storage_key(g) for g in grads}
+        optimizer_keys = {_storage_key(t) for t in _plain(self._optimizer_state_tensors())} - grad_keys
         grad_bytes = sum(n for key, n in live.items() if key in grad_keys)
         optimizer_bytes = sum(n for key, n in live.items() if key in optimizer_keys)
         live_bytes = sum(live.values())

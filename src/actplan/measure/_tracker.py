@@ -23,6 +23,7 @@ from actplan._torch_internals import (
 )
 
 _FREE_LABEL = "free"
+_RESIZE_LABEL = "storage.resize_"
 # These ops hand back a storage created outside the dispatcher (``torch.tensor(...)`` builds its
 # data with dispatch disabled, then lifts it): their output is a fresh allocation even though the
 # schema says it aliases the input.
@@ -97,13 +98,15 @@ class StorageTracker(TorchDispatchMode):
     while any tensor holds the storage, so the callback fires on the real free).
     """
 
-    def __init__(self, timeline_cap: int, fake_mode: FakeTensorMode | None = None) -> None:
+    def __init__(
+        self, timeline_cap: int, fake_mode: FakeTensorMode | None = None, trace: bool = False
+    ) -> None:
         super().__init__()
         # A run on fake tensors (``FakeTensorMode``): its tensors are counted like real ones.
         # Fake tensors of any other mode (a compiler's tracing) are not allocations of the run.
         self.fake_mode = fake_mode
-        # storage key -> [nbytes, weakref, allocating op]; the weakref must live here for its
-        # callback to fire, and dropping the dict disarms every callback at once.
+        # storage key -> [nbytes, weakref, allocating op, trace id]; the weakref must live here
+        # for its callback to fire, and dropping the dict disarms every callback at once.
         self.tracked: dict[int, list[Any]] = {}
         self.live_bytes = 0
         self.peak_live_bytes = 0
@@ -114,6 +117,12 @@ class StorageTracker(TorchDispatchMode):
         # and run our callback on the same thread.
         self.lock = threading.RLock()
         self._op_info: dict[Any, tuple[bool, str]] = {}
+        # With ``trace``: every allocation and free in order, as ``(op, id, nbytes, stream)``
+        # (op 1 allocates, 0 frees), what the allocator model (``_allocator.replay``) replays.
+        # ``stream`` is whatever the caller sets before the allocations it stands for.
+        self.events: list[tuple[int, int, int, int]] | None = [] if trace else None
+        self.stream = 0
+        self._serial = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -158,29 +167,63 @@ class StorageTracker(TorchDispatchMode):
         key = storage_key_of(storage)
         entry = self.tracked.get(key)
         if entry is not None:
-            nbytes = storage.nbytes()
-            if nbytes != entry[0]:  # resize_ on a storage we track
-                with self.lock:
-                    self._change(nbytes - entry[0], info[1])
-                    entry[0] = nbytes
+            if storage.nbytes() != entry[0]:  # resize_ on a storage we track
+                self._resize(entry, storage.nbytes(), info[1])
             return
         returns_alias, label = info
         if returns_alias:
             # A view or in-place/out= result over a storage that predates the window.
             return
+        self._track(key, storage, label)
+
+    def _track(self, key: int, storage: torch.UntypedStorage, label: str) -> None:
         nbytes = storage.nbytes()
-        device_type = storage.device.type
         with self.lock:
             ref = weakref.ref(storage, functools.partial(self._on_free, key))
-            self.tracked[key] = [nbytes, ref, label]
-            self.saw_cuda = self.saw_cuda or device_type == "cuda"
+            serial = self._allocation(nbytes) if self.events is not None else 0
+            self.tracked[key] = [nbytes, ref, label, serial]
+            self.saw_cuda = self.saw_cuda or storage.device.type == "cuda"
             self._change(nbytes, label)
+
+    def _resize(self, entry: list[Any], nbytes: int, label: str) -> None:
+        with self.lock:
+            self._change(nbytes - entry[0], label)
+            entry[0] = nbytes
+            if self.events is not None:
+                # A resize allocates the new size, copies, then frees the old block.
+                old_id = entry[3]
+                entry[3] = self._allocation(nbytes) if nbytes else 0
+                self.events.append((0, old_id, 0, self.stream))
+
+    def resized(self, tensor: torch.Tensor) -> None:
+        """Follows a storage resized in place outside the dispatcher (``storage.resize_``, which
+        FSDP2 uses to free and regrow unsharded parameters; see
+        ``_torch_internals.watch_fsdp_storage_resizes``): regrown first in the window, it counts
+        as allocated then; freed, its bytes leave the count."""
+        if isinstance(tensor, FakeTensor) and tensor.fake_mode is not self.fake_mode:
+            return
+        storage = tensor.untyped_storage()
+        key = storage_key_of(storage)
+        entry = self.tracked.get(key)
+        if entry is None:
+            if storage.nbytes():  # a storage from before the window, freed in it: not counted
+                self._track(key, storage, _RESIZE_LABEL)
+        elif storage.nbytes() != entry[0]:
+            self._resize(entry, storage.nbytes(), _RESIZE_LABEL)
+
+    def _allocation(self, nbytes: int) -> int:
+        """Records an allocation in the trace (callers hold ``self.lock`` and trace); its id."""
+        self._serial += 1
+        self.events.append((1, self._serial, nbytes, self.stream))  # type: ignore[union-attr]
+        return self._serial
 
     def _on_free(self, key: int, _ref: weakref.ref) -> None:
         with self.lock:
             entry = self.tracked.pop(key, None)
             if entry is not None:
                 self._change(-entry[0], _FREE_LABEL)
+                if self.events is not None:
+                    self.events.append((0, entry[3], 0, self.stream))
 
     def _change(self, delta: int, label: str) -> None:
         """Apply a change of live bytes; callers hold ``self.lock``."""
@@ -198,7 +241,7 @@ class StorageTracker(TorchDispatchMode):
         """Live bytes grouped by the op that allocated each storage, largest first."""
         totals: dict[str, int] = {}
         with self.lock:
-            for nbytes, _, label in self.tracked.values():
+            for nbytes, _, label, _ in self.tracked.values():
                 totals[label] = totals.get(label, 0) + nbytes
         return dict(sorted(totals.items(), key=lambda item: -item[1]))
 

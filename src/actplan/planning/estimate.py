@@ -1,31 +1,30 @@
 """``actplan estimate``: what a real-scale training step needs on one GPU, and which plan to
 run, before the hardware exists.
 
-Each preset runs one training step of the reference model at the requested shape, as one rank
-builds it (``Shape.per_rank``), on fake tensors (``measure.FakeRun``: nothing the size of the
-model is allocated) under the memory meter and a roofline clock for the named accelerator.
-Plans come from the profiler and the planner run the same way (``profile_model(gpu=...)`` on
-fake tensors), and each plan is then stepped like a preset, so its row is measured too.
+Each preset (or baseline: ``torch-checkpoint``, ``titan-op-sac``) runs one rank's training at
+the requested shape on fake tensors (``measure.FakeRun``: nothing the size of the model is
+allocated) under the memory meter, with an allocation trace, and a roofline clock for the
+named accelerator. The trace replays through the caching-allocator model
+(``measure.replay_allocations``) under the user's allocator settings: each row gives the
+bytes tensors request, the blocks the allocator hands out, and the segments it *reserves*,
+which is what a run runs out of. "Fits" is reserved plus the CUDA context and NCCL's buffers
+(stated constants, ``_rank_step``) against the budget, or the GPU's memory.
 
-What the step allocates is measured. These parts are formulas, stated here, in the output and
-in docs/concepts.md:
+How a rank is run depends on the layout:
 
-- **static memory per GPU**: FSDP2 with bf16 compute and fp32 everything else: 16 bytes per
-  parameter (fp32 parameter, gradient and AdamW's two moments). A rank's non-expert parameters
-  are sharded over ``fsdp`` ranks; its experts (``experts/ep`` of them) over ``fsdp/ep``, as
-  torchtitan carves expert parallelism out of the FSDP ranks. On top: the bf16 parameters of
-  two gathered units (the one computing and the one prefetched), sized as the largest of the
-  decoder layers, the embedding and the output head;
-- **gradients**: each parameter's gradient is dropped as soon as it is complete, as FSDP's
-  reduce-scatter frees the unsharded gradient, so the measured peak holds activations and the
-  backward's transients, not a whole model's gradients;
-- **tensor parallelism with sequence parallelism**: the rank's layers have heads, KV heads,
-  FFN and vocabulary split ``tp`` ways and run the whole sequence; the sequence-parallel
-  regions (norms, residual adds, a checkpointed layer's input) are counted at the whole
-  sequence, where a rank holds ``1/tp`` of them: up to ``4 s b h (1 - 1/tp)`` bytes per layer
-  too many in bf16 (about 224 MiB for llama3-70b at 8192 tokens over 8 ranks);
-- **expert parallelism**: routing is balanced, so a rank receives as many token slots as it
-  sends; the all-to-all is a copy.
+- **FSDP only** (``tp`` and ``ep`` 1): measured, through the real code path
+  (``_rank_step.fsdp_step``): ``actplan.parallelize`` with FSDP2 (bf16 parameters, fp32
+  reductions) on torch's fake process group at the layout's world size, two steps of a real
+  AdamW. Nothing is a formula: parameter, gradient and optimizer shards, all-gathered
+  layers, reduce-scatter buffers and activations are what the code allocates.
+- **tensor or expert parallel**: the rank's layers (``Shape.per_rank``) are stepped bare,
+  and these parts are formulas, stated in the output and in docs/concepts.md: static memory
+  of 16 bytes per parameter (fp32 parameter, gradient and AdamW's two moments; non-expert
+  parameters sharded over ``fsdp`` ranks, the rank's experts over ``fsdp/ep``) plus two
+  gathered units' parameters; each gradient dropped when complete, as FSDP's reduce-scatter
+  does; the sequence-parallel regions counted at the whole sequence (up to
+  ``4 s b h (1 - 1/tp)`` bytes per layer too many); balanced routing for experts. The
+  static part is allocated first in the replayed trace, tensor by tensor.
 
 Times are estimates (``measure.RooflineClock``): forward and backward (plans: as the planner
 predicts them, optimizer step included), no communication. Imports install, measure, models
@@ -36,24 +35,35 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import torch
 from torch import nn
 
 from actplan._install.apply import apply, find_layers
 from actplan.config import RecomputeConfig
-from actplan.measure import FakeRun, MemoryMeter, RooflineClock, accelerator
+from actplan.measure import (
+    AllocatorSettings,
+    FakeRun,
+    MemoryMeter,
+    RooflineClock,
+    accelerator,
+    replay_allocations,
+)
 from actplan.models import build_model, loss_of
 from actplan.models.shape import DTYPES, Shape
-from actplan.planning.choose import config_for
-from actplan.planning.planner import BudgetError, minimum_peak, none_peak, solve
-from actplan.planning.profile import ModelProfile, profile_model
+from actplan.planning._estimate_plans import default_dtype, plans_for
+from actplan.planning._rank_step import (
+    CUDA_CONTEXT_BYTES,
+    formula_trace,
+    fsdp_step,
+    install,
+    nccl_bytes,
+)
 from actplan.sizes import human_bytes
 
-__all__ = ["EstimateResult", "EstimateRow", "estimate", "preset_step", "stack_step"]
+__all__ = ["EstimateResult", "EstimateRow", "estimate", "preset_step"]
 
 
 @dataclass
@@ -63,11 +73,16 @@ class EstimateRow:
     preset: str
     activation_bytes: int  # alive at the end of forward
     step_peak_bytes: int  # what the step allocates at its peak (activations, transients)
-    peak_bytes: int  # step_peak_bytes plus the static memory
+    peak_bytes: int  # step_peak_bytes plus the static memory: what tensors request
     flops: int
     seconds: float  # roofline estimate of forward and backward
     ratio_to_none: float | None = None
-    fits: bool | None = None
+    # The caching-allocator model's replay of the same trace: blocks handed out (rounded) and
+    # segments reserved at their peaks, and what the device holds outside the allocator.
+    allocated_peak_bytes: int = 0
+    reserved_peak_bytes: int = 0
+    outside_allocator_bytes: int = 0
+    fits: bool | None = None  # reserved + outside_allocator_bytes within the budget or the GPU
     # Plans only: the budget asked for, the planner's predictions and the plan itself.
     budget_bytes: int | None = None
     predicted_peak_bytes: int | None = None
@@ -86,6 +101,9 @@ class EstimateResult:
     static_bytes: int
     gathered_bytes: int
     budget_bytes: int | None
+    method: str = ""  # how a rank was run: the real FSDP2 path, or the bare layers and formula
+    allocator_settings: str = ""
+    gpu_memory_bytes: int = 0
     rows: list[EstimateRow] = field(default_factory=list)
     seconds_taken: float = 0.0
     notes: list[str] = field(default_factory=list)
@@ -104,16 +122,6 @@ class EstimateResult:
         return min(fitting, key=lambda row: row.seconds) if fitting else None
 
 
-@contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)
-
-
 def _drop_grads_when_complete(model: nn.Module) -> None:
     # As FSDP's reduce-scatter frees the unsharded gradient once it is complete.
     for param in model.parameters():
@@ -126,35 +134,38 @@ class _Sizes:
     parameters: int  # on this rank
     expert_parameters: int  # of those, the routed experts'
     largest_unit: int  # parameters of the largest gathered unit
+    tensors: tuple[tuple[int, bool], ...] = ()  # each parameter's (numel, is a routed expert's)
 
 
 def _sizes(model: nn.Module) -> _Sizes:
     units = [layer for _, layer in find_layers(model)]
     units += [m for m in model.modules() if isinstance(m, nn.Embedding)]
     units += [m for name, m in model.named_modules() if name.endswith(("output", "lm_head"))]
+    tensors = tuple((p.numel(), ".experts." in n) for n, p in model.named_parameters())
     return _Sizes(
-        parameters=sum(p.numel() for p in model.parameters()),
-        expert_parameters=sum(p.numel() for n, p in model.named_parameters() if ".experts." in n),
+        parameters=sum(numel for numel, _ in tensors),
+        expert_parameters=sum(numel for numel, expert in tensors if expert),
         largest_unit=max(sum(p.numel() for p in unit.parameters()) for unit in units),
+        tensors=tensors,
     )
 
 
-def preset_step(
+def _traced_step(
     shape: Shape, preset: str | RecomputeConfig, gpu: str, fake: bool = True
-) -> tuple[EstimateRow, _Sizes]:
-    """One preset's (or config's) metered, clocked step at ``shape``; with ``fake=False`` the same
-    step on real tensors (the tests compare the two). Returns the row and the rank's sizes."""
+) -> tuple[EstimateRow, _Sizes, list[tuple[int, int, int, int]]]:
+    """``preset_step``, with the step's allocation trace."""
     run = FakeRun() if fake else contextlib.nullcontext()
-    with _default_dtype(DTYPES[shape.dtype]), run:
+    with default_dtype(DTYPES[shape.dtype]), run:
         bundle = build_model(shape.model, "small", **shape.model_overrides())
         model = bundle.model
-        if preset != "none":
-            apply(model, preset)
+        config = install(model, preset)
+        if config != "none":
+            apply(model, config)
         _drop_grads_when_complete(model)
         sizes = _sizes(model)
         batch = bundle.batch(0, FakeRun.device)
         clock = RooflineClock(gpu)
-        meter = MemoryMeter(model)
+        meter = MemoryMeter(model, trace_allocations=True)
         with meter, clock:
             loss = loss_of(model(**batch))
             forward_end = meter.mark("forward_end").activation_bytes
@@ -168,152 +179,17 @@ def preset_step(
         flops=clock.flops,
         seconds=clock.seconds,
     )
-    return row, sizes
+    return row, sizes, meter.allocation_trace()
 
 
-def _extrapolated(values: Sequence[float], depths: Sequence[int], layers: int) -> float | None:
-    """``values`` at three consecutive ``depths`` carried on to ``layers``, when they grow by the
-    same step each layer (exactly, for integers); ``None`` when they do not."""
-    first, second = values[1] - values[0], values[2] - values[1]
-    exact = all(isinstance(v, int) for v in values)
-    if (first != second) if exact else abs(first - second) > 1e-9 * max(abs(v) for v in values):
-        return None
-    return values[0] + first * (layers - depths[0])
-
-
-def stack_step(
+def preset_step(
     shape: Shape, preset: str | RecomputeConfig, gpu: str, fake: bool = True
 ) -> tuple[EstimateRow, _Sizes]:
-    """``preset_step`` of a deep stack from three shallow ones: a shape's layers past its dense
-    prefix are alike, so every figure (bytes at the end of forward and at the peak, FLOPs,
-    seconds, parameters) grows by the same step per layer. Measured at three depths; when
-    the two steps agree, carried on to the full depth; otherwise (or for a shallow stack, or
-    a per-layer config) the full stack is stepped."""
-    prefix = shape.first_k_dense or 0
-    depths = [prefix + 1, prefix + 2, prefix + 3]
-    if shape.layers <= depths[-1] + 1 or not isinstance(preset, str):
-        return preset_step(shape, preset, gpu, fake)
-    shallow = [preset_step(replace(shape, layers=depth), preset, gpu, fake) for depth in depths]
-    rows, sizes = [row for row, _ in shallow], [size for _, size in shallow]
-    figures = {
-        "activation_bytes": [row.activation_bytes for row in rows],
-        "step_peak_bytes": [row.step_peak_bytes for row in rows],
-        "flops": [row.flops for row in rows],
-        "seconds": [row.seconds for row in rows],
-        "parameters": [size.parameters for size in sizes],
-        "expert_parameters": [size.expert_parameters for size in sizes],
-    }
-    carried = {name: _extrapolated(values, depths, shape.layers) for name, values in figures.items()}
-    if any(value is None for value in carried.values()) or len({s.largest_unit for s in sizes}) > 1:
-        return preset_step(shape, preset, gpu, fake)
-    row = replace(
-        rows[0],
-        activation_bytes=int(carried["activation_bytes"]),
-        step_peak_bytes=int(carried["step_peak_bytes"]),
-        flops=int(carried["flops"]),
-        seconds=float(carried["seconds"]),
-    )
-    size = _Sizes(int(carried["parameters"]), int(carried["expert_parameters"]), sizes[0].largest_unit)
-    return row, size
-
-
-_PROFILE_DEPTH = 4  # layers past the dense prefix in the profiled stack
-
-
-def deepened(profile: ModelProfile, layers: int, base_seconds: float) -> ModelProfile:
-    """A shallow stack's profile carried on to ``layers``: the new layers are copies of the
-    stack's last-but-one (a middle layer: its type, gradient bytes and measured backward
-    extra), inserted below the last, whose backward runs first, next to the loss head.
-    ``base_seconds`` is the deep stack's step time without checkpointing, measured (the
-    estimate's ``none`` row: an isolated layer's time is not its share of a model's).
-    Parameters and AdamW state grow by the copies' gradient bytes (once and twice); the
-    whole-model peaks of ``none`` and ``full`` stay the shallow stack's (the estimate plans
-    with its own static memory)."""
-    have = len(profile.layer_type_of)
-    if layers <= have:
-        return profile
-    if have < 2:
-        raise ValueError(f"a profile of {have} layer cannot be deepened; profile two or more")
-    added = layers - have
-
-    def grown(values: list) -> list:
-        return values[:-1] + [values[-2]] * added + values[-1:] if values else values
-
-    type_of = grown(list(profile.layer_type_of))
-    types = [
-        replace(t, layer_indices=[i for i, key in enumerate(type_of) if key == t.key])
-        for t in profile.layer_types
-    ]
-    layer_bytes = profile.layer_grad_bytes[-2] if profile.layer_grad_bytes else 0
-    return replace(
-        profile,
-        # A layer's parameters are its gradients' size, and AdamW keeps two moments of each
-        # (and a 4-byte step counter per tensor, left out).
-        param_bytes=profile.param_bytes + added * layer_bytes,
-        optimizer_bytes=profile.optimizer_bytes + 2 * added * layer_bytes,
-        base_seconds=base_seconds,
-        layer_type_of=type_of,
-        layer_types=types,
-        layer_grad_bytes=grown(list(profile.layer_grad_bytes)),
-        layer_backward_extra_bytes=grown(list(profile.layer_backward_extra_bytes)),
-    )
-
-
-def _plans(
-    shape: Shape,
-    gpu: str,
-    static: int,
-    budgets: Sequence[int] | None,
-    base_seconds: float,
-    say: Callable[[str], None],
-    refused: list[str],
-) -> list[tuple[int, RecomputeConfig, float, float]]:
-    """Profile and plan on fake tensors with the roofline clock; per budget (``None``: three
-    spread over the feasible range up to the accelerator's memory), the plan, its predicted
-    peak and its predicted ratio."""
-    # Profiled on a shallow stack (the dense prefix and a few alike layers), then deepened: its
-    # whole-model steps are what a profile spends most on. The plans' own steps check it.
-    shallow = replace(shape, layers=min(shape.layers, (shape.first_k_dense or 0) + _PROFILE_DEPTH))
-    with _default_dtype(DTYPES[shape.dtype]), FakeRun() as fake:
-        bundle = build_model(shallow.model, "small", **shallow.model_overrides())
-        profile = profile_model(
-            bundle,
-            spec=shape.name,
-            device=fake.device,
-            gpu=gpu,
-            progress=lambda event: say(f"profiling on fake tensors: {event.stage}"),
-        )
-    profile = deepened(profile, shape.layers, base_seconds)
-    # The measured static terms are the unsharded model's; the planner plans one FSDP rank.
-    problem = replace(
-        profile.problem(),
-        static_bytes=float(static),
-        layer_grad_bytes=(),
-        other_grad_bytes=0.0,
-        optimizer_step_bytes=0.0,
-    )
-    if budgets is None:
-        # Three budgets across the feasible range; where the accelerator's memory (less 5% for
-        # the CUDA context and fragmentation) cuts it short, up to that memory, the last at it.
-        low, _ = minimum_peak(problem)
-        high = none_peak(problem) or low
-        usable = 0.95 * accelerator(gpu).memory_bytes
-        shares = (0.25, 0.5, 0.75)
-        if low < usable < high:
-            high, shares = usable, (1 / 3, 2 / 3, 1.0)
-        budgets = [int(low + (high - low) * share) for share in shares]
-    plans = []
-    for budget in budgets:
-        try:
-            solution = solve(problem, budget)
-        except BudgetError as err:
-            refused.append(str(err))  # the feasible range, said in the notes
-            continue
-        config = config_for(profile, solution.choices)
-        plans.append(
-            (budget, config, solution.predicted_peak_bytes, solution.predicted_seconds / problem.base_seconds)
-        )
-    return plans
+    """One preset's (or config's, or baseline's) metered, clocked step of ``shape``'s bare
+    layer stack; with ``fake=False`` the same step on real tensors (the tests compare the
+    two). Returns the row and the rank's sizes."""
+    row, sizes, _ = _traced_step(shape, preset, gpu, fake)
+    return row, sizes
 
 
 def estimate(
@@ -326,12 +202,15 @@ def estimate(
     ep: int = 1,
     budget_bytes: int | None = None,
     plans: bool = False,
+    allocator: AllocatorSettings | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> EstimateResult:
-    """Each preset's memory per GPU and estimated step time at ``shape`` on one rank of the
-    layout (FSDP over ``fsdp``, tensor parallel over ``tp``, experts over ``ep``); with
-    ``plans``, the planner's plan for ``budget_bytes`` (or three budgets across the feasible
-    range), each stepped like a preset. See the module doc."""
+    """Each preset's memory per GPU (requested, allocated and reserved) and estimated step
+    time at ``shape`` on one rank of the layout (FSDP over ``fsdp``, tensor parallel over
+    ``tp``, experts over ``ep``) under the caching allocator's ``allocator`` settings
+    (torch's defaults when ``None``); with ``plans``, the planner's plan for ``budget_bytes``
+    (or three budgets across the feasible range), each stepped like a preset. See the
+    module doc."""
     accel = accelerator(gpu)
     if fsdp < 1:
         raise ValueError(f"--fsdp must be 1 or more ranks, got {fsdp}")
@@ -340,33 +219,65 @@ def estimate(
             f"--ep {ep} must divide --fsdp {fsdp}: expert parallelism takes its ranks from the FSDP "
             "ones (as torchtitan does); choose --fsdp a multiple of --ep"
         )
+    if budget_bytes is not None and budget_bytes > accel.memory_bytes:
+        raise ValueError(
+            f"a budget of {human_bytes(budget_bytes)} is more than the {accel.name}'s "
+            f"{human_bytes(accel.memory_bytes)}; give a budget within it, or another --gpu"
+        )
     if not presets and not plans:
         raise ValueError("no presets to estimate; name at least one (e.g. none,full)")
+    settings = allocator or AllocatorSettings()
     rank_shape = shape.per_rank(tp, ep)
+    measured = tp == 1 and ep == 1
+    groups = sum(degree > 1 for degree in (fsdp, tp, ep))
+    outside = CUDA_CONTEXT_BYTES + nccl_bytes(groups)
     say = progress or (lambda line: None)
     started = time.perf_counter()
-    rows: list[EstimateRow] = []
     sizes = None
-    for preset in presets:
-        say(f"estimating {preset} on fake tensors")
-        row, sizes = stack_step(rank_shape, preset, accel.name)
-        rows.append(row)
+    static = gathered = 0
+
+    def step(preset: str | RecomputeConfig) -> EstimateRow:
+        nonlocal sizes, static, gathered
+        name = preset if isinstance(preset, str) else "plan"
+        if measured:
+            say(f"stepping {name} through FSDP2 over {fsdp} fake ranks")
+            ran = fsdp_step(rank_shape, preset, fsdp, accel.name, settings)
+            static = ran.resident_bytes
+            row = EstimateRow(
+                preset=name,
+                activation_bytes=ran.activation_bytes,
+                step_peak_bytes=ran.step_peak_bytes,
+                peak_bytes=ran.peak_bytes,
+                flops=ran.flops,
+                seconds=ran.seconds,
+            )
+            report = ran.allocator
+            if sizes is None:
+                sizes = _Sizes(ran.parameters, 0, 0)
+        else:
+            say(f"stepping {name}'s layers on fake tensors")
+            row, sizes, events = _traced_step(rank_shape, preset, accel.name)
+            static, gathered, tensors = _formula(sizes, fsdp, ep, DTYPES[shape.dtype].itemsize)
+            row.peak_bytes = static + gathered + row.step_peak_bytes
+            report = replay_allocations(
+                formula_trace(tensors, sizes.largest_unit * DTYPES[shape.dtype].itemsize, events), settings
+            )
+        row.allocated_peak_bytes = report.peak_allocated_bytes
+        row.reserved_peak_bytes = report.peak_reserved_bytes
+        row.outside_allocator_bytes = outside
+        return row
+
+    rows = [step(preset) for preset in presets]
     if sizes is None:
-        _, sizes = stack_step(rank_shape, "full", accel.name)
-    dense_params = sizes.parameters - sizes.expert_parameters
-    static = 16 * dense_params // fsdp + 16 * sizes.expert_parameters * ep // fsdp
-    gathered = 2 * sizes.largest_unit * DTYPES[shape.dtype].itemsize
+        step("full")
     refused: list[str] = []
     if plans:
         budgets = None if budget_bytes is None else [budget_bytes]
-        none_row = next((r for r in rows if r.preset == "none"), None)
-        if none_row is None:
-            none_row, _ = stack_step(rank_shape, "none", accel.name)
-        for budget, config, predicted_peak, predicted_ratio in _plans(
+        none_row = next((r for r in rows if r.preset == "none"), None) or step("none")
+        for budget, config, predicted_peak, predicted_ratio in plans_for(
             rank_shape, accel.name, static + gathered, budgets, none_row.seconds, say, refused
         ):
-            say(f"stepping the plan for {human_bytes(budget)} on fake tensors")
-            row, _ = preset_step(rank_shape, config, accel.name)
+            row = step(config)
             row.preset = f"plan @ {human_bytes(budget)}"
             row.budget_bytes = budget
             row.predicted_peak_bytes = int(predicted_peak)
@@ -375,19 +286,34 @@ def estimate(
             rows.append(row)
     none_seconds = next((r.seconds for r in rows if r.preset == "none"), None)
     for row in rows:
-        row.peak_bytes = static + gathered + row.step_peak_bytes
         row.ratio_to_none = None if none_seconds is None else row.seconds / none_seconds
         limit = row.budget_bytes if row.budget_bytes is not None else budget_bytes
-        row.fits = None if limit is None else row.peak_bytes <= limit
+        row.fits = row.reserved_peak_bytes + row.outside_allocator_bytes <= (limit or accel.memory_bytes)
     notes = [
         *(f"no plan: {reason}" for reason in refused),
         f"times are estimates from a roofline clock for {accel.name} (vendor peaks, no kernel "
         "efficiency, no communication); memory is measured on fake tensors",
-        "static memory is a formula: 16 bytes per parameter (fp32 parameter, gradient, AdamW "
-        f"moments) over {fsdp} FSDP rank(s)"
-        + (f" (experts over {fsdp // ep})" if ep > 1 else "")
-        + f", plus two gathered units' {shape.dtype} parameters",
+        f"reserved: the step's allocations replayed through a model of torch's CUDA caching "
+        f"allocator ({settings.describe()}; set --alloc-conf or PYTORCH_ALLOC_CONF), on one stream; "
+        f"fits: reserved + {human_bytes(outside)} outside the allocator (CUDA context, NCCL "
+        f"buffers of {groups} communicator(s)) within "
+        + (human_bytes(budget_bytes) if budget_bytes is not None else f"the {accel.name}'s memory"),
     ]
+    if measured:
+        method = f"FSDP2 over {fsdp} ranks of a fake process group, AdamW, steady (2nd) step"
+        notes.append(
+            f"measured through actplan.parallelize: FSDP2 over {fsdp} fake rank(s), bf16 parameters "
+            "and fp32 reductions, two steps of AdamW (foreach); static = what stays between steps"
+        )
+    else:
+        method = "the rank's layers stepped bare, static memory by formula"
+        notes.append(
+            "static memory is a formula: 16 bytes per parameter (fp32 parameter, gradient, AdamW "
+            f"moments) over {fsdp} FSDP rank(s)"
+            + (f" (experts over {fsdp // ep})" if ep > 1 else "")
+            + f", plus two gathered units' {shape.dtype} parameters (the fake process group runs "
+            "FSDP-only layouts today)"
+        )
     if tp > 1:
         notes.append(
             f"tensor parallel over {tp}: the sequence-parallel regions (norms, residual adds, a "
@@ -400,8 +326,8 @@ def estimate(
     if plans:
         notes.append(
             "plans: profiled and planned on fake tensors with the roofline clock (offload is not "
-            "profiled on fake tensors); 'predicted' is the planner's figure, the row the plan's "
-            "own fake step"
+            "profiled on fake tensors); the planner plans requested bytes, 'predicted' is its figure, "
+            "the row the plan's own step, and fits is judged on the row's reserved bytes"
         )
     return EstimateResult(
         shape=rank_shape.to_dict(),
@@ -413,7 +339,19 @@ def estimate(
         static_bytes=static,
         gathered_bytes=gathered,
         budget_bytes=budget_bytes,
+        method=method,
+        allocator_settings=settings.describe(),
+        gpu_memory_bytes=accel.memory_bytes,
         rows=rows,
         seconds_taken=time.perf_counter() - started,
         notes=notes,
     )
+
+
+def _formula(sizes: _Sizes, fsdp: int, ep: int, itemsize: int) -> tuple[int, int, list[tuple[int, int]]]:
+    """The stated formula's static and gathered bytes, and the tensors it stands for as
+    ``(numel, shards)``: non-expert parameters over ``fsdp`` ranks, experts over ``fsdp/ep``."""
+    dense_params = sizes.parameters - sizes.expert_parameters
+    static = 16 * dense_params // fsdp + 16 * sizes.expert_parameters * ep // fsdp
+    tensors = [(numel, fsdp // ep if expert else fsdp) for numel, expert in sizes.tensors]
+    return static, 2 * sizes.largest_unit * itemsize, tensors

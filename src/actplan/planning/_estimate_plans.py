@@ -1,0 +1,133 @@
+"""The plans ``actplan estimate --plan`` proposes: a shallow stack profiled on fake tensors,
+deepened to the shape's depth, and planned under each budget. Imports the planning package,
+measure and models.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
+
+import torch
+
+from actplan.config import RecomputeConfig
+from actplan.measure import FakeRun, accelerator
+from actplan.models import build_model
+from actplan.models.shape import DTYPES, Shape
+from actplan.planning.choose import config_for
+from actplan.planning.planner import BudgetError, minimum_peak, none_peak, solve
+from actplan.planning.profile import ModelProfile, profile_model
+
+__all__ = ["deepened", "default_dtype", "plans_for"]
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+_PROFILE_DEPTH = 4  # layers past the dense prefix in the profiled stack
+
+
+def deepened(profile: ModelProfile, layers: int, base_seconds: float) -> ModelProfile:
+    """A shallow stack's profile carried on to ``layers``: the new layers are copies of the
+    stack's last-but-one (a middle layer: its type, gradient bytes and measured backward
+    extra), inserted below the last, whose backward runs first, next to the loss head.
+    ``base_seconds`` is the deep stack's step time without checkpointing, measured (the
+    estimate's ``none`` row: an isolated layer's time is not its share of a model's).
+    Parameters and AdamW state grow by the copies' gradient bytes (once and twice); the
+    whole-model peaks of ``none`` and ``full`` stay the shallow stack's (the estimate plans
+    with its own static memory)."""
+    have = len(profile.layer_type_of)
+    if layers <= have:
+        return profile
+    if have < 2:
+        raise ValueError(f"a profile of {have} layer cannot be deepened; profile two or more")
+    added = layers - have
+
+    def grown(values: list) -> list:
+        return values[:-1] + [values[-2]] * added + values[-1:] if values else values
+
+    type_of = grown(list(profile.layer_type_of))
+    types = [
+        replace(t, layer_indices=[i for i, key in enumerate(type_of) if key == t.key])
+        for t in profile.layer_types
+    ]
+    layer_bytes = profile.layer_grad_bytes[-2] if profile.layer_grad_bytes else 0
+    return replace(
+        profile,
+        # A layer's parameters are its gradients' size, and AdamW keeps two moments of each
+        # (and a 4-byte step counter per tensor, left out).
+        param_bytes=profile.param_bytes + added * layer_bytes,
+        optimizer_bytes=profile.optimizer_bytes + 2 * added * layer_bytes,
+        base_seconds=base_seconds,
+        layer_type_of=type_of,
+        layer_types=types,
+        layer_grad_bytes=grown(list(profile.layer_grad_bytes)),
+        layer_backward_extra_bytes=grown(list(profile.layer_backward_extra_bytes)),
+    )
+
+
+def plans_for(
+    shape: Shape,
+    gpu: str,
+    static: int,
+    budgets: Sequence[int] | None,
+    base_seconds: float,
+    say: Callable[[str], None],
+    refused: list[str],
+) -> list[tuple[int, RecomputeConfig, float, float]]:
+    """Profile and plan on fake tensors with the roofline clock; per budget (``None``: three
+    spread over the feasible range up to the accelerator's memory), the plan, its predicted
+    peak and its predicted ratio."""
+    # Profiled on a shallow stack (the dense prefix and a few alike layers), then deepened: its
+    # whole-model steps are what a profile spends most on. The plans' own steps check it.
+    shallow = replace(shape, layers=min(shape.layers, (shape.first_k_dense or 0) + _PROFILE_DEPTH))
+    with default_dtype(DTYPES[shape.dtype]), FakeRun() as fake:
+        bundle = build_model(shallow.model, "small", **shallow.model_overrides())
+        profile = profile_model(
+            bundle,
+            spec=shape.name,
+            device=fake.device,
+            gpu=gpu,
+            progress=lambda event: say(f"profiling on fake tensors: {event.stage}"),
+        )
+    profile = deepened(profile, shape.layers, base_seconds)
+    # The measured static terms are the unsharded model's; the planner plans one FSDP rank.
+    problem = replace(
+        profile.problem(),
+        static_bytes=float(static),
+        layer_grad_bytes=(),
+        other_grad_bytes=0.0,
+        optimizer_step_bytes=0.0,
+    )
+    if budgets is None:
+        # Three budgets across the feasible range; where the accelerator's memory (less 5% for
+        # the CUDA context and fragmentation) cuts it short, up to that memory, the last at it.
+        low, _ = minimum_peak(problem)
+        high = none_peak(problem) or low
+        usable = 0.95 * accelerator(gpu).memory_bytes
+        shares = (0.25, 0.5, 0.75)
+        if low < usable < high:
+            high, shares = usable, (1 / 3, 2 / 3, 1.0)
+        budgets = [int(low + (high - low) * share) for share in shares]
+    plans = []
+    for budget in budgets:
+        try:
+            solution = solve(problem, budget)
+        except BudgetError as err:
+            refused.append(str(err))  # the feasible range, said in the notes
+            continue
+        config = config_for(profile, solution.choices)
+        plans.append(
+            (budget, config, solution.predicted_peak_bytes, solution.predicted_seconds / problem.base_seconds)
+        )
+    return plans
+
+

@@ -1,0 +1,205 @@
+"""One rank's steady training step at a real shape, as ``actplan estimate`` measures it, and
+what the CUDA caching allocator would reserve for it.
+
+``fsdp_step`` runs the code a user trains with: the reference model built at the shape on
+fake tensors, sharded by ``actplan.parallelize`` (FSDP2 with bf16 parameters and fp32
+reductions, as torchtitan trains) over torch's ``fake`` process group at the layout's world
+size, and stepped twice with a real ``torch.optim.AdamW`` (``foreach``, its temporaries
+included). Everything one rank allocates is then measured, not taken from a formula: its
+shard of the fp32 parameters, gradients and AdamW state, FSDP2's all-gather outputs (the
+prefetched layer's included) and unsharded parameters, the unsharded gradients and their fp32
+reduce-scatter inputs, the activations and every transient. The memory meter's allocation
+trace (every allocation and free in order) is replayed through the caching-allocator model
+(``measure.replay_allocations``), under the user's allocator settings.
+
+What stays a stated assumption: the fake process group's collectives return at once, so a
+buffer a collective still reads on another stream is freed when the program frees it (torch's
+``record_stream`` would hold it to the collective's end), and every allocation is replayed on
+one stream (FSDP2's all-gather and reduce-scatter streams keep pools of their own on a GPU).
+Imports torch, ``actplan._install``, ``measure``, ``models`` and ``_torch_internals``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from actplan._install.baselines import BASELINES
+from actplan._install.parallel import parallelize
+from actplan._torch_internals import fake_process_group_store
+from actplan.config import RecomputeConfig
+from actplan.measure import (
+    AllocatorReport,
+    AllocatorSettings,
+    FakeRun,
+    MemoryMeter,
+    RooflineClock,
+    replay_allocations,
+    unique_storage_bytes,
+)
+from actplan.models import build_model, loss_of
+from actplan.models.shape import DTYPES, Shape
+
+__all__ = ["RankStep", "fake_world", "fsdp_step"]
+
+STEPS = 2  # the first step allocates AdamW's state; the second is the steady one
+
+MIB = 1 << 20
+CUDA_CONTEXT_BYTES = 500 * MIB
+"""Device memory the CUDA context holds outside torch's allocator (driver state and the
+kernels loaded so far). With lazy module loading (CUDA 11.7 and later) a PyTorch process's
+context is about 300 MB on a V100-class GPU (pytorch/pytorch#107667, a maintainer's
+answer), and grows with the SM count: 555 MiB measured on a 188-SM Blackwell GPU
+(ggml-org/llama.cpp#23604). 500 MiB stands for an H100/H200 (132 SMs) with cuBLAS, cuDNN
+and NCCL's kernels loaded."""
+NCCL_BUFFER_BYTES = 4 * MIB
+"""``NCCL_BUFFSIZE``'s default: NCCL's staging buffer per channel, peer and direction
+(NCCL user guide, environment variables)."""
+NCCL_CHANNELS = 16
+"""Channels NCCL opens per communicator: it picks them from the topology (up to 32); 16 is
+assumed here, and ``NCCL_MAX_NCHANNELS`` bounds it on a real run."""
+
+
+def nccl_bytes(groups: int) -> int:
+    """NCCL's buffers outside torch's allocator for ``groups`` communicators (one per parallel
+    dimension of more than one rank): two ring neighbours, both directions, per channel."""
+    return groups * 2 * 2 * NCCL_CHANNELS * NCCL_BUFFER_BYTES
+
+
+@dataclass(frozen=True)
+class RankStep:
+    """What one rank holds in a steady training step (the second), measured on fake tensors."""
+
+    resident_bytes: int  # alive between steps: parameter shards, AdamW state (and what stays)
+    activation_bytes: int  # alive at the end of the forward, above ``resident_bytes``
+    step_peak_bytes: int  # the steady step's peak above ``resident_bytes``
+    peak_bytes: int  # bytes requested at the peak of the run (what tensors hold)
+    allocator: AllocatorReport  # the caching allocator's peaks for the same trace
+    parameters: int  # this rank's model, before sharding
+    flops: int
+    seconds: float
+
+
+@contextlib.contextmanager
+def fake_world(world_size: int) -> Iterator[None]:
+    """torch's ``fake`` process group as the default group of ``world_size`` ranks, this
+    process rank 0: collectives return at once with outputs of the right shapes. Refused when
+    the process already has a default group (the estimate must not take over a real run's)."""
+    if dist.is_initialized():
+        raise RuntimeError(
+            "this process already has a torch.distributed process group; run the estimate in a "
+            "process of its own (the command line does), not inside a training job"
+        )
+    dist.init_process_group("fake", store=fake_process_group_store(), rank=0, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _resident_events(model: torch.nn.Module) -> list[tuple[int, int, int, int]]:
+    """Allocations of the storages the model holds before the metered window (its parameter
+    shards and buffers, made when it was sharded), as trace events with ids of their own."""
+    held = unique_storage_bytes([*model.parameters(), *model.buffers()])
+    return [(1, -(index + 1), nbytes, 0) for index, nbytes in enumerate(held.values())]
+
+
+def _peak_after(events: list[tuple[int, int, int, int]], start: int, live: int) -> int:
+    """Requested bytes at their peak from event ``start`` on, ``live`` being alive there."""
+    sizes: dict[int, int] = {}
+    for op, ident, nbytes, _ in events[:start]:
+        if op:
+            sizes[ident] = nbytes
+        else:
+            sizes.pop(ident, None)
+    peak = live
+    for op, ident, nbytes, _ in events[start:]:
+        if op:
+            sizes[ident] = nbytes
+            live += nbytes
+        else:
+            live -= sizes.pop(ident, 0)
+        peak = max(peak, live)
+    return peak
+
+
+def install(model: torch.nn.Module, preset: str | RecomputeConfig) -> RecomputeConfig | str:
+    """Installs a baseline (``BASELINES``: what users run today) itself and returns ``"none"``
+    for actplan to install on top of it; returns anything else unchanged, for actplan."""
+    if isinstance(preset, str) and preset in BASELINES:
+        BASELINES[preset](model)
+        return "none"
+    return preset
+
+
+def fsdp_step(
+    shape: Shape,
+    preset: str | RecomputeConfig,
+    fsdp: int,
+    gpu: str,
+    settings: AllocatorSettings | None = None,
+    fake: bool = True,
+) -> RankStep:
+    """One rank of FSDP over ``fsdp`` ranks (no tensor or expert parallelism) training
+    ``shape`` under ``preset`` (an actplan preset or config, or one of ``BASELINES``): see
+    the module doc. ``fake=False`` runs the same on real tensors (the tests compare them)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    policy = MixedPrecisionPolicy(param_dtype=DTYPES[shape.dtype], reduce_dtype=torch.float32)
+    with fake_world(fsdp):
+        # The mesh computes its coordinates from real values: made before the fake mode.
+        mesh = init_device_mesh(FakeRun.device.type, (fsdp,))
+        with FakeRun() if fake else contextlib.nullcontext():
+            # fp32 parameters, cast to the compute dtype for each layer's forward by FSDP2.
+            bundle = build_model(shape.model, "small", **shape.model_overrides())
+            model = bundle.model
+            parameters = sum(p.numel() for p in model.parameters())
+            parallelize(model, mesh, install(model, preset), mp_policy=policy)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+            batch = bundle.batch(0, FakeRun.device)
+            resident = _resident_events(model)
+            meter = MemoryMeter(model, optimizer, trace_allocations=True, follow_fsdp=True)
+            clock = RooflineClock(gpu)
+            with meter:
+                for step in range(STEPS):
+                    steady = step == STEPS - 1
+                    start = meter.mark(f"step{step}").live_bytes
+                    with clock if steady else contextlib.nullcontext():
+                        loss = loss_of(model(**batch))
+                        forward_end = meter.mark(f"forward{step}").live_bytes
+                        loss.backward()
+                    del loss
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+            report = meter.report()
+            events = meter.allocation_trace()
+    steady_start = meter.trace_marks[f"step{STEPS - 1}"]
+    held_before = sum(nbytes for _, _, nbytes, _ in resident)
+    return RankStep(
+        resident_bytes=held_before + start,
+        activation_bytes=forward_end - start,
+        step_peak_bytes=_peak_after(events, steady_start, start) - start,
+        peak_bytes=held_before + report.peak_live_bytes,
+        allocator=replay_allocations(resident + events, settings),
+        parameters=parameters,
+        flops=clock.flops,
+        seconds=clock.seconds,
+    )
+
+
+def formula_trace(
+    tensors: list[tuple[int, int]], largest_unit_bytes: int, step: list[tuple[int, int, int, int]]
+) -> list[tuple[int, int, int, int]]:
+    """The allocation trace of a layout the fake process group does not run (tensor or expert
+    parallel), for the allocator model: the stated formula's static memory as the tensors it
+    stands for, allocated first (per parameter of ``tensors``, as ``(numel, shards)``: its fp32
+    shard, gradient and AdamW's two moments), then two gathered units of
+    ``largest_unit_bytes``, then the measured ``step``."""
+    sizes = [4 * -(-numel // shards) for numel, shards in tensors for _ in range(4)]
+    sizes += [largest_unit_bytes] * 2
+    return [(1, -(index + 1), nbytes, 0) for index, nbytes in enumerate(sizes)] + step

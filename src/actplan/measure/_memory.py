@@ -190,9 +190,8 @@ class MemoryMeter:
             self._cuda_base_allocated = torch.cuda.memory_allocated()
         tracker_type = CompiledCodeTracker if self.run_compiled else StorageTracker
         self._tracker = tracker_type(self.timeline_cap, fake_mode_of(params), self.trace_allocations)
-        self._resizes = (
-            watch_fsdp_storage_resizes(self._tracker.resized) if self.follow_fsdp else contextlib.nullcontext()
-        )
+        follow = watch_fsdp_storage_resizes(self._tracker.resized) if self.follow_fsdp else None
+        self._resizes = follow or contextlib.nullcontext()
         self._resizes.__enter__()
         self._tracker.__enter__()
         self._active = True

@@ -6,20 +6,21 @@ measure and models.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import replace
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
 from actplan.config import RecomputeConfig
-from actplan.measure import FakeRun, accelerator
+from actplan.measure import FakeRun
 from actplan.models import build_model
 from actplan.models.shape import DTYPES, Shape
 from actplan.planning.choose import config_for
-from actplan.planning.planner import BudgetError, minimum_peak, none_peak, solve
+from actplan.planning.planner import minimum_peak, none_peak, solve
 from actplan.planning.profile import ModelProfile, profile_model
 
-__all__ = ["deepened", "default_dtype", "plans_for"]
+__all__ = ["Planner", "deepened", "default_dtype", "plans_for"]
 
 
 @contextlib.contextmanager
@@ -74,18 +75,27 @@ def deepened(profile: ModelProfile, layers: int, base_seconds: float) -> ModelPr
     )
 
 
+@dataclass
+class Planner:
+    """The planner over a deepened fake profile: ``budgets`` (requested bytes, across the
+    feasible range) and ``plan(budget)`` -> (config, predicted peak, predicted ratio)."""
+
+    profile: ModelProfile
+    problem: Any
+    budgets: list[int]
+
+    def plan(self, budget: int) -> tuple[RecomputeConfig, float, float]:
+        solution = solve(self.problem, budget)  # BudgetError names the feasible range
+        ratio = solution.predicted_seconds / self.problem.base_seconds
+        return config_for(self.profile, solution.choices), solution.predicted_peak_bytes, ratio
+
+
 def plans_for(
-    shape: Shape,
-    gpu: str,
-    static: int,
-    budgets: Sequence[int] | None,
-    base_seconds: float,
-    say: Callable[[str], None],
-    refused: list[str],
-) -> list[tuple[int, RecomputeConfig, float, float]]:
-    """Profile and plan on fake tensors with the roofline clock; per budget (``None``: three
-    spread over the feasible range up to the accelerator's memory), the plan, its predicted
-    peak and its predicted ratio."""
+    shape: Shape, gpu: str, static: int, usable: int, base_seconds: float, say: Callable[[str], None]
+) -> Planner:
+    """Profile and plan on fake tensors with the roofline clock. The default budgets are three
+    spread over the feasible range of requested bytes, up to ``usable`` where it cuts the
+    range short (the last then at it)."""
     # Profiled on a shallow stack (the dense prefix and a few alike layers), then deepened: its
     # whole-model steps are what a profile spends most on. The plans' own steps check it.
     shallow = replace(shape, layers=min(shape.layers, (shape.first_k_dense or 0) + _PROFILE_DEPTH))
@@ -107,27 +117,9 @@ def plans_for(
         other_grad_bytes=0.0,
         optimizer_step_bytes=0.0,
     )
-    if budgets is None:
-        # Three budgets across the feasible range; where the accelerator's memory (less 5% for
-        # the CUDA context and fragmentation) cuts it short, up to that memory, the last at it.
-        low, _ = minimum_peak(problem)
-        high = none_peak(problem) or low
-        usable = 0.95 * accelerator(gpu).memory_bytes
-        shares = (0.25, 0.5, 0.75)
-        if low < usable < high:
-            high, shares = usable, (1 / 3, 2 / 3, 1.0)
-        budgets = [int(low + (high - low) * share) for share in shares]
-    plans = []
-    for budget in budgets:
-        try:
-            solution = solve(problem, budget)
-        except BudgetError as err:
-            refused.append(str(err))  # the feasible range, said in the notes
-            continue
-        config = config_for(profile, solution.choices)
-        plans.append(
-            (budget, config, solution.predicted_peak_bytes, solution.predicted_seconds / problem.base_seconds)
-        )
-    return plans
-
-
+    low, _ = minimum_peak(problem)
+    high = none_peak(problem) or low
+    shares = (0.25, 0.5, 0.75)
+    if low < usable < high:
+        high, shares = usable, (1 / 3, 2 / 3, 1.0)
+    return Planner(profile, problem, [int(low + (high - low) * share) for share in shares])

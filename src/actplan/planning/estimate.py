@@ -61,6 +61,7 @@ from actplan.planning._rank_step import (
     install,
     nccl_bytes,
 )
+from actplan.planning.planner import BudgetError
 from actplan.sizes import human_bytes
 
 __all__ = ["EstimateResult", "EstimateRow", "estimate", "preset_step"]
@@ -272,18 +273,16 @@ def estimate(
         step("full")
     refused: list[str] = []
     if plans:
-        budgets = None if budget_bytes is None else [budget_bytes]
         none_row = next((r for r in rows if r.preset == "none"), None) or step("none")
-        for budget, config, predicted_peak, predicted_ratio in plans_for(
-            rank_shape, accel.name, static + gathered, budgets, none_row.seconds, say, refused
-        ):
-            row = step(config)
-            row.preset = f"plan @ {human_bytes(budget)}"
-            row.budget_bytes = budget
-            row.predicted_peak_bytes = int(predicted_peak)
-            row.predicted_ratio = predicted_ratio
-            row.plan_yaml = config.to_yaml()
-            rows.append(row)
+        planner = plans_for(
+            rank_shape, accel.name, static + gathered, accel.memory_bytes - outside, none_row.seconds, say
+        )
+        # A budget is what the GPU must hold: reserved plus what sits outside the allocator.
+        targets = [budget_bytes] if budget_bytes is not None else [b + outside for b in planner.budgets]
+        for target in targets:
+            row = _plan_within(planner, target, outside, step, say, refused)
+            if row is not None:
+                rows.append(row)
     none_seconds = next((r.seconds for r in rows if r.preset == "none"), None)
     for row in rows:
         row.ratio_to_none = None if none_seconds is None else row.seconds / none_seconds
@@ -355,3 +354,38 @@ def _formula(sizes: _Sizes, fsdp: int, ep: int, itemsize: int) -> tuple[int, int
     static = 16 * dense_params // fsdp + 16 * sizes.expert_parameters * ep // fsdp
     tensors = [(numel, fsdp // ep if expert else fsdp) for numel, expert in sizes.tensors]
     return static, 2 * sizes.largest_unit * itemsize, tensors
+
+
+_PLAN_TRIES = 3
+
+
+def _plan_within(planner, target, outside, step, say, refused) -> EstimateRow | None:
+    """The planner's plan for ``target`` bytes of GPU memory: it plans requested bytes, so the
+    plan is stepped, and while its reserved bytes (plus ``outside``) exceed ``target`` it plans
+    again under a budget lowered by the excess, at most ``_PLAN_TRIES`` times."""
+    allowed = target - outside
+    row = None
+    if allowed <= 0:
+        refused.append(
+            f"no plan fits a budget of {human_bytes(target)}: the CUDA context and NCCL's buffers "
+            f"alone take {human_bytes(outside)}, outside the allocator"
+        )
+        return None
+    for _ in range(_PLAN_TRIES):
+        try:
+            config, predicted_peak, predicted_ratio = planner.plan(allowed)
+        except BudgetError as err:
+            refused.append(str(err))  # the feasible range, said in the notes
+            break
+        say(f"stepping the plan for {human_bytes(target)}")
+        row = step(config)
+        row.preset = f"plan @ {human_bytes(target)}"
+        row.budget_bytes = target
+        row.predicted_peak_bytes = int(predicted_peak)
+        row.predicted_ratio = predicted_ratio
+        row.plan_yaml = config.to_yaml()
+        excess = row.reserved_peak_bytes + outside - target
+        if excess <= 0:
+            break
+        allowed -= excess
+    return row

@@ -22,6 +22,8 @@ FOUNDATIONS = {
     "actplan.sizes",
     "actplan._storage",
     "actplan._torch_internals",
+    "actplan._torch_internals._errors",
+    "actplan._torch_internals._fsdp",
     "actplan.progress",
     "actplan.devices",
     "actplan._callsite",

@@ -8,7 +8,7 @@ import torch
 import actplan
 from actplan._engine.region import TracedRegion
 from actplan._install.apply import find_layers
-from actplan._torch_internals import allow_checkpoint_side_effects, layer_compile_flags
+from actplan._torch_internals import layer_compile_flags
 from actplan.models import build_model
 
 pytestmark = [pytest.mark.compile, pytest.mark.slow]
@@ -267,7 +267,7 @@ def test_whole_model_compile_after_apply_honours_the_plan(kind):
         # transformers >= 5.25 sets and resets a global around attention (kernels' wrapper);
         # dynamo refuses that inside a checkpoint unless told the side effect may stay out of
         # the backward's recompute (docs/troubleshooting.md).
-        with allow_checkpoint_side_effects():
+        with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True):
             captured, whole_bytes = _step_and_forward_end_bytes(
                 planned, compiled, batch, loss_of, compiled=True
             )

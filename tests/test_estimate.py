@@ -14,7 +14,7 @@ import torch
 from actplan.cli import main
 from actplan.config import RecomputeConfig
 from actplan.models.shape import Shape, load_shape, shape_from_hf_config, shape_names
-from actplan.planning._rank_step import fsdp_step
+from actplan.planning._rank_step import rank_step
 from actplan.planning.estimate import estimate, preset_step
 
 SMALL = Shape(layers=2, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=128, seq=32, batch=2, dtype="fp32")
@@ -138,7 +138,7 @@ def test_static_memory_follows_the_stated_formula_and_the_budget_picks_the_faste
 
 def test_fits_means_reserved_and_what_sits_outside_the_allocator_within_the_budget():
     result = estimate(MEDIUM, ("none", "full"), fsdp=4)
-    none, full = result.rows
+    _, full = result.rows
     assert "fake process group" in result.method
     for row in result.rows:
         assert row.peak_bytes <= row.allocated_peak_bytes <= row.reserved_peak_bytes
@@ -281,17 +281,18 @@ def test_out_writes_the_plan_for_the_budget_with_what_it_was_made_for(tmp_path, 
 
 
 @pytest.mark.parametrize("preset", ["none", "full", "matmuls", "titan-op-sac"])
-def test_the_fsdp_step_on_fake_tensors_measures_what_it_measures_on_real_tensors(preset):
+def test_the_rank_step_on_fake_tensors_measures_what_it_measures_on_real_tensors(preset):
     # The same FSDP2 code path, over a fake process group of 4 ranks, on fake and on real
     # tensors: every byte figure and the allocator's replay agree exactly. (A MoE layer's step
     # differs by routing: real values route unevenly, the fake run assumes balance.)
-    fake = fsdp_step(SMALL, preset, 4, "h100")
-    real = fsdp_step(SMALL, preset, 4, "h100", fake=False)
+    fake = rank_step(SMALL, preset, 4, "h100")
+    real = rank_step(SMALL, preset, 4, "h100", fake=False)
     assert fake == real
-    assert fake.activation_bytes > 0 and fake.allocator.peak_reserved_bytes >= fake.allocator.peak_allocated_bytes
+    assert fake.activation_bytes > 0
+    assert fake.allocator.peak_reserved_bytes >= fake.allocator.peak_allocated_bytes
 
 
-def test_the_fsdp_step_holds_its_shards_and_adamw_state_between_steps():
+def test_the_rank_step_holds_its_shards_and_adamw_state_between_steps():
     # Between steps a rank holds, per parameter, its fp32 shard (dim 0 in chunks of
     # ceil(d0 / world), padded) and AdamW's two moments of the same size, plus the model's
     # buffers. Named difference: AdamW's 4-byte step counters, which live on the host in a CUDA
@@ -305,7 +306,7 @@ def test_the_fsdp_step_holds_its_shards_and_adamw_state_between_steps():
     )
     buffers = sum(b.untyped_storage().nbytes() for b in model.buffers())
     counters = 4 * len(list(model.parameters()))
-    ran = fsdp_step(SMALL, "full", world, "h100")
+    ran = rank_step(SMALL, "full", world, "h100")
     assert ran.resident_bytes == 3 * shards + buffers + counters
 
 

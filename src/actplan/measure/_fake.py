@@ -159,12 +159,19 @@ class FakeRun:
     Parameters, buffers, activations and optimizer state are all fake: nothing the size of the
     model is allocated. Tensors made outside the block (real ones) cannot enter it; build
     everything inside. ``routing`` is the MoE token-count assumption (see the module doc).
+    ``materialize_meta=True`` lets a model built on the ``meta`` device (and parallelized
+    there: tensor parallelism cannot be applied inside the fake mode) take fake storage with
+    ``model.to_empty(device=FakeRun.device)`` inside the block; real tensors may then reach
+    the run's ops, so build nothing real in it.
     """
 
     device = torch.device("cpu")
 
     def __init__(
-        self, routing: Literal["balanced"] | Sequence[Sequence[int]] = "balanced", packed: bool = False
+        self,
+        routing: Literal["balanced"] | Sequence[Sequence[int]] = "balanced",
+        packed: bool = False,
+        materialize_meta: bool = False,
     ) -> None:
         if routing != "balanced" and (
             isinstance(routing, str) or not all(isinstance(c, Sequence) for c in routing)
@@ -172,6 +179,7 @@ class FakeRun:
             raise ValueError(f"routing must be 'balanced' or a list of count lists, got {routing!r}")
         self.routing = routing
         self.packed = packed
+        self.materialize_meta = materialize_meta
         self.mode: FakeTensorMode | None = None
         self._routing_mode: _Routing | None = None
         self._restore: Callable[[], None] | None = None
@@ -179,7 +187,7 @@ class FakeRun:
     def __enter__(self) -> FakeRun:
         if self.mode is not None:
             raise RuntimeError("FakeRun is already entered; use one block per run")
-        self.mode = FakeTensorMode(allow_non_fake_inputs=False)
+        self.mode = FakeTensorMode(allow_non_fake_inputs=self.materialize_meta)
         self.mode.__enter__()
         self._routing_mode = _Routing(self.mode, self.routing)
         self._routing_mode.__enter__()

@@ -205,13 +205,15 @@ class MLADecoderLayer(DecoderLayer):
 class SeededGenerators:
     """One seeded generator per device, made on first use: a model built on a GPU (under
     ``with torch.device("cuda"):``) draws its init there instead of on the host; on the CPU the
-    draws are those of a single CPU generator."""
+    draws are those of a single CPU generator; on the meta device, none."""
 
     def __init__(self, seed: int) -> None:
         self.seed = seed
         self._by_device: dict[torch.device, torch.Generator] = {}
 
-    def __call__(self, device: torch.device) -> torch.Generator:
+    def __call__(self, device: torch.device) -> torch.Generator | None:
+        if device.type == "meta":  # a model built on the meta device draws nothing
+            return None
         if device not in self._by_device:
             self._by_device[device] = torch.Generator(device).manual_seed(self.seed)
         return self._by_device[device]

@@ -22,6 +22,7 @@ Imports torch, ``actplan._install``, ``measure``, ``models`` and ``_torch_intern
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -44,7 +45,15 @@ from actplan.measure import (
 from actplan.models import build_model, loss_of
 from actplan.models.shape import DTYPES, Shape
 
-__all__ = ["RankStep", "fake_world", "fsdp_step"]
+__all__ = [
+    "CUDA_CONTEXT_BYTES",
+    "RankStep",
+    "fake_world",
+    "formula_trace",
+    "install",
+    "nccl_bytes",
+    "rank_step",
+]
 
 STEPS = 2  # the first step allocates AdamW's state; the second is the steady one
 
@@ -136,32 +145,45 @@ def install(model: torch.nn.Module, preset: str | RecomputeConfig) -> RecomputeC
     return preset
 
 
-def fsdp_step(
+def rank_step(
     shape: Shape,
     preset: str | RecomputeConfig,
     fsdp: int,
     gpu: str,
     settings: AllocatorSettings | None = None,
     fake: bool = True,
+    tp: int = 1,
 ) -> RankStep:
-    """One rank of FSDP over ``fsdp`` ranks (no tensor or expert parallelism) training
-    ``shape`` under ``preset`` (an actplan preset or config, or one of ``BASELINES``): see
-    the module doc. ``fake=False`` runs the same on real tensors (the tests compare them)."""
+    """Rank 0 of FSDP over ``fsdp`` ranks, times tensor parallelism (with sequence
+    parallelism) over ``tp``, training ``shape`` (the whole model: the layout shards it) under
+    ``preset`` (an actplan preset or config, or one of ``BASELINES``): see the module doc.
+    ``fake=False`` runs the same on real tensors (the tests compare them)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     policy = MixedPrecisionPolicy(param_dtype=DTYPES[shape.dtype], reduce_dtype=torch.float32)
-    with fake_world(fsdp):
-        # The mesh computes its coordinates from real values: made before the fake mode.
-        mesh = init_device_mesh(FakeRun.device.type, (fsdp,))
-        with FakeRun() if fake else contextlib.nullcontext():
+    with fake_world(fsdp * tp):
+        # The mesh computes its coordinates from real values, and tensor parallelism cannot be
+        # applied inside a fake mode: both happen on the meta device, before it.
+        device = FakeRun.device.type
+        mesh = (
+            init_device_mesh(device, (fsdp,))
+            if tp == 1
+            else init_device_mesh(device, (fsdp, tp), mesh_dim_names=("dp", "tp"))
+        )
+        with torch.device("meta"):
             # fp32 parameters, cast to the compute dtype for each layer's forward by FSDP2.
             bundle = build_model(shape.model, "small", **shape.model_overrides())
-            model = bundle.model
-            parameters = sum(p.numel() for p in model.parameters())
-            parallelize(model, mesh, install(model, preset), mp_policy=policy)
+        model = bundle.model
+        parameters = sum(p.numel() for p in model.parameters())
+        parallelize(model, mesh, install(model, preset), mp_policy=policy)
+        with FakeRun(materialize_meta=True) if fake else contextlib.nullcontext(), warnings.catch_warnings():
+            # FSDP2 warns that the root returns a view (its hook would miss an in-place op on
+            # it); the step here does none, and the warning would only puzzle a user.
+            warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+            model.to_empty(device=device)
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
-            batch = bundle.batch(0, FakeRun.device)
+            batch = bundle.batch(0, device)
             resident = _resident_events(model)
             meter = MemoryMeter(model, optimizer, trace_allocations=True, follow_fsdp=True)
             clock = RooflineClock(gpu)

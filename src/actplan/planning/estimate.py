@@ -12,12 +12,14 @@ which is what a run runs out of. "Fits" is reserved plus the CUDA context and NC
 
 How a rank is run depends on the layout:
 
-- **FSDP only** (``tp`` and ``ep`` 1): measured, through the real code path
-  (``_rank_step.fsdp_step``): ``actplan.parallelize`` with FSDP2 (bf16 parameters, fp32
-  reductions) on torch's fake process group at the layout's world size, two steps of a real
-  AdamW. Nothing is a formula: parameter, gradient and optimizer shards, all-gathered
-  layers, reduce-scatter buffers and activations are what the code allocates.
-- **tensor or expert parallel**: the rank's layers (``Shape.per_rank``) are stepped bare,
+- **FSDP, with or without tensor parallelism** (``ep`` 1): measured, through the real code
+  path (``_rank_step.rank_step``): the model built on the meta device, ``actplan.parallelize``
+  with tensor and sequence parallelism and FSDP2 (bf16 parameters, fp32 reductions) on
+  torch's fake process group at the layout's world size, then given fake storage and
+  stepped twice with a real AdamW. Nothing is a formula: parameter, gradient and optimizer
+  shards, all-gathered layers, reduce-scatter buffers, the sequence-parallel regions at
+  ``s/tp`` and the activations are what the code allocates.
+- **expert parallel**: the rank's layers (``Shape.per_rank``) are stepped bare,
   and these parts are formulas, stated in the output and in docs/concepts.md: static memory
   of 16 bytes per parameter (fp32 parameter, gradient and AdamW's two moments; non-expert
   parameters sharded over ``fsdp`` ranks, the rank's experts over ``fsdp/ep``) plus two
@@ -57,9 +59,9 @@ from actplan.planning._estimate_plans import default_dtype, plans_for
 from actplan.planning._rank_step import (
     CUDA_CONTEXT_BYTES,
     formula_trace,
-    fsdp_step,
     install,
     nccl_bytes,
+    rank_step,
 )
 from actplan.planning.planner import BudgetError
 from actplan.sizes import human_bytes
@@ -229,7 +231,7 @@ def estimate(
         raise ValueError("no presets to estimate; name at least one (e.g. none,full)")
     settings = allocator or AllocatorSettings()
     rank_shape = shape.per_rank(tp, ep)
-    measured = tp == 1 and ep == 1
+    measured = ep == 1
     groups = sum(degree > 1 for degree in (fsdp, tp, ep))
     outside = CUDA_CONTEXT_BYTES + nccl_bytes(groups)
     say = progress or (lambda line: None)
@@ -241,8 +243,8 @@ def estimate(
         nonlocal sizes, static, gathered
         name = preset if isinstance(preset, str) else "plan"
         if measured:
-            say(f"stepping {name} through FSDP2 over {fsdp} fake ranks")
-            ran = fsdp_step(rank_shape, preset, fsdp, accel.name, settings)
+            say(f"stepping {name} through parallelize over {fsdp * tp} fake ranks")
+            ran = rank_step(shape, preset, fsdp, accel.name, settings, tp=tp)
             static = ran.resident_bytes
             row = EstimateRow(
                 preset=name,
@@ -299,10 +301,12 @@ def estimate(
         + (human_bytes(budget_bytes) if budget_bytes is not None else f"the {accel.name}'s memory"),
     ]
     if measured:
-        method = f"FSDP2 over {fsdp} ranks of a fake process group, AdamW, steady (2nd) step"
+        layout = f"FSDP2 over {fsdp}" + (f" x TP {tp} with sequence parallelism" if tp > 1 else "")
+        method = f"{layout} on a fake process group, AdamW, steady (2nd) step"
         notes.append(
-            f"measured through actplan.parallelize: FSDP2 over {fsdp} fake rank(s), bf16 parameters "
-            "and fp32 reductions, two steps of AdamW (foreach); static = what stays between steps"
+            f"measured through actplan.parallelize: {layout} over {fsdp * tp} fake rank(s), bf16 "
+            "parameters and fp32 reductions, two steps of AdamW (foreach); static = what stays "
+            "between steps"
         )
     else:
         method = "the rank's layers stepped bare, static memory by formula"
@@ -310,16 +314,16 @@ def estimate(
             "static memory is a formula: 16 bytes per parameter (fp32 parameter, gradient, AdamW "
             f"moments) over {fsdp} FSDP rank(s)"
             + (f" (experts over {fsdp // ep})" if ep > 1 else "")
-            + f", plus two gathered units' {shape.dtype} parameters (the fake process group runs "
-            "FSDP-only layouts today)"
+            + f", plus two gathered units' {shape.dtype} parameters (expert parallelism does not "
+            "run on the fake process group yet)"
         )
-    if tp > 1:
-        notes.append(
-            f"tensor parallel over {tp}: the sequence-parallel regions (norms, residual adds, a "
-            "checkpointed layer's input) are counted at the whole sequence, where a rank holds "
-            f"1/{tp} of them: up to {human_bytes(4 * shape.seq * shape.batch * shape.hidden * (1 - 1 / tp))} "
-            "per layer too many"
-        )
+        if tp > 1:
+            too_many = human_bytes(4 * shape.seq * shape.batch * shape.hidden * (1 - 1 / tp))
+            notes.append(
+                f"tensor parallel over {tp}: the sequence-parallel regions (norms, residual adds, a "
+                "checkpointed layer's input) are counted at the whole sequence, where a rank holds "
+                f"1/{tp} of them: up to {too_many} per layer too many"
+            )
     if ep > 1:
         notes.append(f"experts over {ep} ranks: routing assumed balanced")
     if plans:
@@ -329,8 +333,12 @@ def estimate(
             "the row the plan's own step, and fits is judged on the row's reserved bytes"
         )
     return EstimateResult(
-        shape=rank_shape.to_dict(),
-        description=rank_shape.describe(),
+        shape=(shape if measured else rank_shape).to_dict(),
+        description=(
+            shape.describe() + (f"; each rank holds 1/{tp} of it under TP" if tp > 1 else "")
+            if measured
+            else rank_shape.describe()
+        ),
         gpu=accel.name,
         gpu_source=accel.source,
         fsdp=fsdp,

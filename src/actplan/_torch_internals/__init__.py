@@ -4,8 +4,8 @@ torch makes no promise about its private names (``torch._C._storage_Use_Count``,
 ``torch.utils.checkpoint`` keeps per call, ``torch.utils._python_dispatch``). A renamed or
 changed internal must never show up as a plan that quietly holds more memory, so:
 
-* each internal is looked up here and nowhere else (``tests/test_torch_internals.py`` scans the
-  package for private torch names used outside this module);
+* each internal is looked up here (this package: FSDP2's in ``_fsdp``) and nowhere else
+  (``tests/test_torch_internals.py`` scans the package for private torch names used outside it);
 * ``probe()`` runs every check once per process, the first time a plan that needs them is
   installed (an ``IntervalPolicy`` or an ``OffloadEngine`` is made). A missing internal or one
   that behaves differently raises ``TorchInternalsError`` naming the torch version, what
@@ -19,11 +19,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from actplan._torch_internals._errors import TorchInternalsError
+from actplan._torch_internals._fsdp import fake_process_group_store, watch_fsdp_storage_resizes
 
 TESTED_TORCH = "2.13"
 SUPPORTED_TORCH = ">= 2.10"
@@ -31,10 +34,6 @@ _WORKAROUND = (
     "Use mode 'full' (whole-layer checkpointing needs none of torch's internals), or install a "
     f"torch release actplan is tested with ({TESTED_TORCH})"
 )
-
-
-class TorchInternalsError(RuntimeError):
-    """A private torch API actplan relies on is missing or behaves differently in this torch."""
 
 
 def _changed(what: str, detail: str) -> TorchInternalsError:
@@ -76,7 +75,6 @@ __all__ = [
     "StorageWeakRef",
     "TorchDispatchMode",
     "TorchInternalsError",
-    "allow_checkpoint_side_effects",
     "capture_data_dependent_shapes",
     "checkpoint_frame",
     "compile_module_under",
@@ -242,91 +240,19 @@ def capture_data_dependent_shapes() -> Any:
     return torch._dynamo.config.patch(capture_scalar_outputs=True, capture_dynamic_output_shape_ops=True)
 
 
-def allow_checkpoint_side_effects() -> Any:
-    """A context in which dynamo traces a checkpointed region whose Python mutates state
-    outside it, instead of refusing it ("HOP: Unsafe side effect"). transformers 5.25 wraps
-    attention forwards (through ``kernels``' ``use_kernelized_func``) in a set and a reset of a
-    module-level variable: balanced, so not reapplying it in the backward's recompute, which is
-    what this flag gives up, changes nothing. A compiled graph's recompute runs no Python."""
+def layer_compile_flags() -> Any:
+    """What ``parallelize(compile=...)`` compiles each checkpointed layer under: MoE layers'
+    data-dependent sizes (as ``capture_data_dependent_shapes``), and layer code that sets and
+    resets a global around a call (transformers 5.25 wraps attention so, through ``kernels``).
+    dynamo refuses an outside mutation inside a checkpoint unless the backward's recompute may
+    skip it; a balanced set and reset, skipped, changes nothing."""
     import torch._dynamo
 
-    return torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True)
-
-
-@contextlib.contextmanager
-def layer_compile_flags() -> Iterator[None]:
-    """What ``parallelize(compile=...)`` compiles each checkpointed layer under: MoE layers'
-    data-dependent sizes (``capture_data_dependent_shapes``) and the balanced side effects of
-    third-party layer code (``allow_checkpoint_side_effects``)."""
-    with capture_data_dependent_shapes(), allow_checkpoint_side_effects():
-        yield
-
-
-# -- FSDP2 on a fake process group ---------------------------------------------------------------
-
-_FSDP_PARAM = "torch.distributed.fsdp._fully_shard._fsdp_param"
-_FSDP_PARAM_GROUP = "torch.distributed.fsdp._fully_shard._fsdp_param_group"
-
-
-def fake_process_group_store() -> Any:
-    """A store for torch's ``fake`` process-group backend (``init_process_group("fake", ...)``):
-    collectives that return at once with outputs of the right shapes, for one rank of a world
-    of any size, in one process."""
-    try:
-        from torch.testing._internal.distributed.fake_pg import FakeStore
-    except ImportError as err:
-        raise TorchInternalsError(
-            f"torch {torch.__version__} has no fake process group "
-            "(torch.testing._internal.distributed.fake_pg.FakeStore): estimate this layout with "
-            "--fsdp 1, or install the torch release actplan is tested with"
-        ) from err
-    return FakeStore()
-
-
-@contextlib.contextmanager
-def watch_fsdp_storage_resizes(on_resize: Callable[[torch.Tensor], None]) -> Iterator[None]:
-    """While the block runs, ``on_resize(tensor)`` follows every storage FSDP2 grows or frees in
-    place (``alloc_storage`` / ``free_storage`` of ``_fsdp_param``: its all-gather outputs and
-    unsharded parameters are kept as storages resized between full size and 0). A dispatch
-    mode sees no storage resize, and without these a meter would count an unsharded layer as
-    alive from its first all-gather to the end. Restored on exit. Nothing to follow, and
-    nothing changed, while FSDP2 has not been imported."""
-    import importlib
-    import sys
-
-    if _FSDP_PARAM not in sys.modules:
-        yield
-        return
-    modules = [importlib.import_module(name) for name in (_FSDP_PARAM, _FSDP_PARAM_GROUP)]
-    param_module = modules[0]
-    for name in ("alloc_storage", "free_storage"):
-        if not callable(getattr(param_module, name, None)):
-            raise TorchInternalsError(
-                f"torch {torch.__version__}: {_FSDP_PARAM}.{name} is gone, so the estimate cannot "
-                "follow FSDP2's unsharded parameters; estimate with the stated formula (--fsdp 1) "
-                "or install the torch release actplan is tested with"
-            )
-    originals = {
-        (module, name): getattr(module, name)
-        for module in modules
-        for name in ("alloc_storage", "free_storage")
-        if hasattr(module, name)
-    }
-
-    def watched(original: Callable[[torch.Tensor], None]) -> Callable[[torch.Tensor], None]:
-        def resize(tensor: torch.Tensor) -> None:
-            original(tensor)
-            on_resize(tensor)
-
-        return resize
-
-    for (module, name), original in originals.items():
-        setattr(module, name, watched(original))
-    try:
-        yield
-    finally:
-        for (module, name), original in originals.items():
-            setattr(module, name, original)
+    return torch._dynamo.config.patch(
+        capture_scalar_outputs=True,
+        capture_dynamic_output_shape_ops=True,
+        skip_fwd_side_effects_in_bwd_under_checkpoint=True,
+    )
 
 
 # -- probes -------------------------------------------------------------------------------------

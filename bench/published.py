@@ -1,0 +1,108 @@
+"""Our predictions next to published measurements of real GPU training memory.
+
+Each case re-creates a published run on paper (model shape, layout, sequences per GPU,
+checkpointing, allocator settings) and runs ``actplan.planning.estimate`` for it; the table
+in ``bench/results/published.md`` gives the published figure, ours for the same metric, and
+the error. Nothing here is fitted to these figures: they are only compared.
+
+    python -m bench.published            # writes bench/results/published.md
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from actplan.measure import AllocatorSettings
+from actplan.models.shape import Shape, load_shape
+from actplan.planning.estimate import estimate
+
+GIB = 2**30
+QWEN3_32B = Shape(
+    layers=64, hidden=5120, heads=64, kv_heads=8, head_dim=128, ffn=25600, vocab=151936, name="qwen3-32b"
+)  # Qwen/Qwen3-32B config.json
+
+
+@dataclass
+class Case:
+    key: str
+    source: str
+    shape: Shape
+    preset: str
+    published_gib: float
+    fsdp: int = 8
+    tp: int = 1
+    alloc_conf: str = ""
+    notes: list[str] = field(default_factory=list)
+
+
+def _llama(batch: int, seq: int = 8192) -> Shape:
+    return load_shape("llama3-8b", seq=seq, batch=batch, dtype="bf16")
+
+
+def _qwen(batch: int) -> Shape:
+    from dataclasses import replace
+
+    return replace(QWEN3_32B, seq=4096, batch=batch)
+
+
+EXPANDABLE = "expandable_segments:True"  # torchtitan's launch script, from 2024-10-22 on
+CASES = [
+    Case("E1", "torchtitan docs/performance (2024-12), Table 1: 8B, 8xH100, FSDP, SAC op, eager",
+         _llama(2), "titan-op-sac", 82.4, 8, alloc_conf=EXPANDABLE),
+    Case("E2", "same, Table 3: 128xH100", _llama(2), "titan-op-sac", 67.0, 128, alloc_conf=EXPANDABLE),
+    Case("E3", "torchtitan PR #822 (reshard_after_forward default), 8xH100, lbs 1",
+         _llama(1), "titan-op-sac", 49.59, 8, alloc_conf=EXPANDABLE),
+    Case("E6", "torchtitan PR #467 (no AC baseline), 8xH100, lbs 1, before expandable segments",
+         _llama(1), "none", 78.38, 8),
+    Case("E8a", "torchtitan PR #1690, Qwen3 32B, FSDP 8, lbs 1, seq 4096, full AC",
+         _qwen(1), "full", 81.47, 8, alloc_conf=EXPANDABLE),
+    Case("E8b", "same, FSDP 8, lbs 2", _qwen(2), "full", 89.33, 8, alloc_conf=EXPANDABLE),
+    Case("E8c", "same, FSDP 16, lbs 4", _qwen(4), "full", 78.48, 16, alloc_conf=EXPANDABLE),
+    Case("T1", "torchtitan PR #364, 8B, TP 4 + SP x FSDP 2, lbs 4, SAC op (A100 inferred)",
+         _llama(4), "titan-op-sac", 65.53, 2, tp=4),
+    Case("T2", "same PR, earlier revision, lbs 1", _llama(1), "titan-op-sac", 30.98, 2, tp=4),
+]  # fmt: skip
+
+
+def main() -> int:
+    out = Path(__file__).parent / "results" / "published.md"
+    rows = []
+    for case in CASES:
+        started = time.perf_counter()
+        settings = AllocatorSettings.parse(case.alloc_conf) if case.alloc_conf else AllocatorSettings()
+        result = estimate(case.shape, (case.preset,), gpu="h100", fsdp=case.fsdp, tp=case.tp, allocator=settings)
+        row = result.rows[0]
+        ours = row.reserved_peak_bytes / GIB
+        error = ours / case.published_gib - 1
+        rows.append((case, ours, row.allocated_peak_bytes / GIB, error, result.method))
+        print(f"{case.key}: published {case.published_gib:.2f} GiB, ours {ours:.2f} GiB ({error:+.1%}) "
+              f"in {time.perf_counter() - started:.0f} s", flush=True)  # fmt: skip
+    lines = [
+        "# Predicted vs published: peak reserved memory per GPU",
+        "",
+        "`python -m bench.published` (torch 2.13 CPU, fake tensors). Every published figure is the",
+        "peak *reserved* bytes (torchtitan's `memory:` log line, `torch.cuda.memory_stats()`",
+        "`reserved_bytes.all.peak`), so ours is the caching-allocator model's reserved peak for the",
+        "same run, under the allocator settings that run used. Eager bf16 runs only; compile and float8",
+        "runs are left out (their effect is not modelled). Nothing is fitted to these figures.",
+        "",
+        "| case | source | model, layout, batch | checkpointing | allocator | published | ours (allocated) | ours (reserved) | error | how a rank ran |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for case, ours, allocated, error, method in rows:
+        layout = f"FSDP {case.fsdp}" + (f" x TP {case.tp} + SP" if case.tp > 1 else "")
+        lines.append(
+            f"| {case.key} | {case.source} | {case.shape.name}, {layout}, {case.shape.batch} x {case.shape.seq} "
+            f"| {case.preset} | {case.alloc_conf or 'defaults'} | {case.published_gib:.2f} GiB | {allocated:.2f} GiB "
+            f"| {ours:.2f} GiB | {error:+.1%} | {method} |"
+        )
+    out.write_text("\n".join(lines) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,68 @@
+"""FSDP2's internals the estimate relies on: torch's fake process group, and the in-place
+storage resizes FSDP2 frees and regrows unsharded parameters with. Part of
+``actplan._torch_internals``, which re-exports both; imports torch and ``_errors``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from actplan._torch_internals._errors import TorchInternalsError
+
+_FSDP_PARAM = "torch.distributed.fsdp._fully_shard._fsdp_param"
+_FSDP_PARAM_GROUP = "torch.distributed.fsdp._fully_shard._fsdp_param_group"
+
+
+def fake_process_group_store() -> Any:
+    """A store for torch's ``fake`` process-group backend (``init_process_group("fake")``):
+    collectives return at once with outputs of the right shapes, one rank of any world size."""
+    try:
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+    except ImportError as err:
+        raise TorchInternalsError(
+            f"torch {torch.__version__} has no fake process group (torch.testing._internal."
+            "distributed.fake_pg.FakeStore); install the torch release actplan is tested with"
+        ) from err
+    return FakeStore()
+
+
+@contextlib.contextmanager
+def watch_fsdp_storage_resizes(on_resize: Callable[[torch.Tensor], None]) -> Iterator[None]:
+    """While the block runs, ``on_resize(tensor)`` follows each storage FSDP2 frees or regrows
+    in place (``_fsdp_param.alloc_storage`` / ``free_storage``: its all-gather outputs and
+    unsharded parameters), which no dispatch mode sees. Restored on exit; nothing is changed
+    while FSDP2 has not been imported."""
+    import importlib
+    import sys
+
+    if _FSDP_PARAM not in sys.modules:
+        yield
+        return
+    modules = [importlib.import_module(name) for name in (_FSDP_PARAM, _FSDP_PARAM_GROUP)]
+    names = ("alloc_storage", "free_storage")
+    if not all(callable(getattr(modules[0], name, None)) for name in names):
+        raise TorchInternalsError(
+            f"torch {torch.__version__}: {_FSDP_PARAM} has no alloc_storage / free_storage, so "
+            "FSDP2's unsharded parameters cannot be followed; install the torch release actplan "
+            "is tested with"
+        )
+    originals = {(m, name): getattr(m, name) for m in modules for name in names if hasattr(m, name)}
+
+    def watched(original: Callable[[torch.Tensor], None]) -> Callable[[torch.Tensor], None]:
+        def resize(tensor: torch.Tensor) -> None:
+            original(tensor)
+            on_resize(tensor)
+
+        return resize
+
+    for (module, name), original in originals.items():
+        setattr(module, name, watched(original))
+    try:
+        yield
+    finally:
+        for (module, name), original in originals.items():
+            setattr(module, name, original)

@@ -91,6 +91,12 @@ def balanced_counts(total: int, bins: int) -> list[int]:
     return [share + (index < extra) for index in range(bins)]
 
 
+try:
+    _WAIT_TENSOR = torch.ops._c10d_functional.wait_tensor.default
+except (AttributeError, RuntimeError):  # a torch built without distributed
+    _WAIT_TENSOR = None
+
+
 class _Routing(TorchDispatchMode):
     """Answers ``bincount`` under fake tensors with counts whose values are known, and turns
     torch's data-dependence errors into one that says what to do."""
@@ -105,6 +111,10 @@ class _Routing(TorchDispatchMode):
         kwargs = kwargs or {}
         if func is torch.ops.aten.bincount.default and is_fake(args[0]):
             return self._bincount(*args, **kwargs)
+        if func is _WAIT_TENSOR and func is not None and is_fake(args[0]):
+            # The real kernel hands back the tensor it waited on; the fake one returns a new
+            # tensor, which a meter would count as a second copy of every collective's output.
+            return args[0]
         try:
             return func(*args, **kwargs)
         except (DataDependentOutputException, DynamicOutputShapeException) as err:

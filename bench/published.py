@@ -49,22 +49,37 @@ def _qwen(batch: int) -> Shape:
 
 
 EXPANDABLE = "expandable_segments:True"  # torchtitan's launch script, from 2024-10-22 on
+TITAN = "torchtitan"
 CASES = [
-    Case("E1", "torchtitan docs/performance (2024-12), Table 1: 8B, 8xH100, FSDP, SAC op, eager",
-         _llama(2), "titan-op-sac", 82.4, 8, alloc_conf=EXPANDABLE),
-    Case("E2", "same, Table 3: 128xH100", _llama(2), "titan-op-sac", 67.0, 128, alloc_conf=EXPANDABLE),
-    Case("E3", "torchtitan PR #822 (reshard_after_forward default), 8xH100, lbs 1",
-         _llama(1), "titan-op-sac", 49.59, 8, alloc_conf=EXPANDABLE),
-    Case("E6", "torchtitan PR #467 (no AC baseline), 8xH100, lbs 1, before expandable segments",
-         _llama(1), "none", 78.38, 8),
-    Case("E8a", "torchtitan PR #1690, Qwen3 32B, FSDP 8, lbs 1, seq 4096, full AC",
-         _qwen(1), "full", 81.47, 8, alloc_conf=EXPANDABLE),
-    Case("E8b", "same, FSDP 8, lbs 2", _qwen(2), "full", 89.33, 8, alloc_conf=EXPANDABLE),
-    Case("E8c", "same, FSDP 16, lbs 4", _qwen(4), "full", 78.48, 16, alloc_conf=EXPANDABLE),
-    Case("T1", "torchtitan PR #364, 8B, TP 4 + SP x FSDP 2, lbs 4, SAC op (A100 inferred)",
-         _llama(4), "titan-op-sac", 65.53, 2, tp=4),
-    Case("T2", "same PR, earlier revision, lbs 1", _llama(1), "titan-op-sac", 30.98, 2, tp=4),
+    Case("E1", f"{TITAN} docs/performance.md (2024-12), Table 1: 8xH100, eager", _llama(2),
+         "titan-op-sac", 82.4, 8, alloc_conf=EXPANDABLE),
+    Case("E2", f"{TITAN} docs/performance.md (2024-12), Table 3: 128xH100, eager", _llama(2),
+         "titan-op-sac", 67.0, 128, alloc_conf=EXPANDABLE),
+    Case("E3", f"{TITAN} PR #822 (reshard_after_forward default), 8xH100", _llama(1),
+         "titan-op-sac", 49.59, 8, alloc_conf=EXPANDABLE),
+    Case("E6", f"{TITAN} PR #467 (no-AC baseline), 8xH100, before expandable segments", _llama(1),
+         "none", 78.38, 8),
+    Case("E8a", f"{TITAN} PR #1690, Qwen3 32B training configs", _qwen(1), "full", 81.47, 8,
+         alloc_conf=EXPANDABLE),
+    Case("E8b", f"{TITAN} PR #1690", _qwen(2), "full", 89.33, 8, alloc_conf=EXPANDABLE),
+    Case("E8c", f"{TITAN} PR #1690", _qwen(4), "full", 78.48, 16, alloc_conf=EXPANDABLE),
+    Case("T1", f"{TITAN} PR #364 (A100 80GB inferred), before expandable segments", _llama(4),
+         "titan-op-sac", 65.53, 2, tp=4),
+    Case("T2", f"{TITAN} PR #364, earlier revision (lbs 1, the config default)", _llama(1),
+         "titan-op-sac", 30.98, 2, tp=4),
+    Case("T3a", f"{TITAN} PR #1690, Qwen3 32B", _qwen(16), "full", 43.45, 4, tp=8, alloc_conf=EXPANDABLE),
+    Case("T3b", f"{TITAN} PR #1690", _qwen(32), "full", 70.79, 4, tp=8, alloc_conf=EXPANDABLE),
+    Case("T3c", f"{TITAN} PR #1690", _qwen(32), "full", 63.27, 8, tp=8, alloc_conf=EXPANDABLE),
+    Case("T3d", f"{TITAN} PR #1690", _qwen(16), "full", 70.20, 8, tp=4, alloc_conf=EXPANDABLE),
+    Case("C3", f"{TITAN} docs/performance.md (2024-12), Table 4: compile and float8 (not modelled)",
+         load_shape("llama3-70b", seq=8192, batch=16, dtype="bf16"), "full", 71.9, 32, tp=8,
+         alloc_conf=EXPANDABLE),
 ]  # fmt: skip
+
+
+NOTES = [
+    "Notes (filled in from the run above; see the issue note for the analysis):",
+]
 
 
 def main() -> int:
@@ -73,32 +88,40 @@ def main() -> int:
     for case in CASES:
         started = time.perf_counter()
         settings = AllocatorSettings.parse(case.alloc_conf) if case.alloc_conf else AllocatorSettings()
-        result = estimate(case.shape, (case.preset,), gpu="h100", fsdp=case.fsdp, tp=case.tp, allocator=settings)
+        result = estimate(
+            case.shape, (case.preset,), gpu="h100", fsdp=case.fsdp, tp=case.tp, allocator=settings
+        )
         row = result.rows[0]
         ours = row.reserved_peak_bytes / GIB
         error = ours / case.published_gib - 1
         rows.append((case, ours, row.allocated_peak_bytes / GIB, error, result.method))
-        print(f"{case.key}: published {case.published_gib:.2f} GiB, ours {ours:.2f} GiB ({error:+.1%}) "
-              f"in {time.perf_counter() - started:.0f} s", flush=True)  # fmt: skip
+        took = time.perf_counter() - started
+        print(f"{case.key}: published {case.published_gib:.2f} GiB, ours {ours:.2f} GiB ({error:+.1%}), {took:.0f} s")  # noqa: E501
     lines = [
         "# Predicted vs published: peak reserved memory per GPU",
         "",
-        "`python -m bench.published` (torch 2.13 CPU, fake tensors). Every published figure is the",
-        "peak *reserved* bytes (torchtitan's `memory:` log line, `torch.cuda.memory_stats()`",
-        "`reserved_bytes.all.peak`), so ours is the caching-allocator model's reserved peak for the",
-        "same run, under the allocator settings that run used. Eager bf16 runs only; compile and float8",
-        "runs are left out (their effect is not modelled). Nothing is fitted to these figures.",
+        "`python -m bench.published` (torch 2.13, CPU, fake tensors; the estimate's own code, nothing",
+        "fitted). Every published figure is the peak *reserved* bytes: torchtitan's `memory:` log line",
+        "is `torch.cuda.memory_stats()['reserved_bytes.all.peak']` (`torchtitan/components/metrics.py`).",
+        "Ours is the caching-allocator model's reserved peak for the same run under the allocator",
+        "settings that run used (torchtitan's launch script sets `expandable_segments:True` from",
+        "2024-10-22 on). Local batch is sequences per data-parallel rank. `titan-op-sac` is",
+        "torchtitan's op-level selective checkpointing re-stated (attention, reduce-scatter and",
+        "all-to-all saved, and every other matmul). The model is actplan's reference decoder at",
+        "each shape, not torchtitan's own code: see the notes below the table.",
         "",
-        "| case | source | model, layout, batch | checkpointing | allocator | published | ours (allocated) | ours (reserved) | error | how a rank ran |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| case | source | model, layout, local batch x seq | checkpointing | allocator | published | "
+        "ours: allocated | ours: reserved | error |",
+        "|---|---|---|---|---|---:|---:|---:|---:|",
     ]
-    for case, ours, allocated, error, method in rows:
+    for case, ours, allocated, error, _ in rows:
         layout = f"FSDP {case.fsdp}" + (f" x TP {case.tp} + SP" if case.tp > 1 else "")
         lines.append(
-            f"| {case.key} | {case.source} | {case.shape.name}, {layout}, {case.shape.batch} x {case.shape.seq} "
-            f"| {case.preset} | {case.alloc_conf or 'defaults'} | {case.published_gib:.2f} GiB | {allocated:.2f} GiB "
-            f"| {ours:.2f} GiB | {error:+.1%} | {method} |"
+            f"| {case.key} | {case.source} | {case.shape.name}, {layout}, {case.shape.batch} x "
+            f"{case.shape.seq} | {case.preset} | {case.alloc_conf or 'defaults'} | "
+            f"{case.published_gib:.2f} GiB | {allocated:.2f} GiB | {ours:.2f} GiB | {error:+.1%} |"
         )
+    lines += ["", *NOTES]
     out.write_text("\n".join(lines) + "\n")
     print(f"wrote {out}")
     return 0

@@ -61,12 +61,15 @@ def render(results: dict[str, dict]) -> str:
         "",
         f"Every shipped shape at sequence {SEQ}, batch 1 per GPU, bf16, on an {GPU.upper()} "
         "(roofline clock), estimated on fake tensors by `python -m bench.realscale.table`. "
-        "Peaks are per GPU: measured activations and transients plus the stated static formula "
-        "(16 bytes per parameter over the FSDP ranks, two gathered units). Times are estimates. "
-        "Plans are the planner's at three budgets across the feasible range, up to 95% of the "
-        "H100's 80 GB where the range reaches it; 'planner' is its "
-        "prediction, the row the plan's own fake step.",
-        "",
+        "Dense shapes run one rank through `actplan.parallelize` (FSDP2, and TP with sequence "
+        "parallelism) on a fake process group with two AdamW steps: everything is measured. MoE "
+        "shapes under expert parallelism step the rank's layers bare, with the stated static "
+        "formula (16 bytes per parameter over the FSDP ranks, two gathered units). 'allocated' and "
+        "'reserved' are the caching-allocator model's peaks for the step's allocation trace, under "
+        "torch's default settings; 'fits' is reserved plus the CUDA context and NCCL's buffers "
+        "within the H100's 80 GB. Times are estimates. Plans are the planner's at three budgets "
+        "of GPU memory across the feasible range; 'planner' is its prediction of requested bytes, "
+        "the row the plan's own fake step.",        "",
     ]
     lines += [
         "## Goals",
@@ -93,12 +96,15 @@ def render(results: dict[str, dict]) -> str:
         lines += [
             f"## {name}: {result['layout']}",
             "",
-            f"{result['description']}. {result['parameters'] / 1e9:.2f} B parameters on a rank; "
-            f"static {result['static_bytes'] / gib:.1f} GiB + gathered {result['gathered_bytes'] / gib:.1f} "
-            f"GiB per GPU. Estimated in {result['seconds_taken']:.0f} s on {result['machine']}.",
+            f"{result['description']}. {result['parameters'] / 1e9:.2f} B parameters before "
+            f"sharding; static {result['static_bytes'] / gib:.1f} GiB"
+            + (f" + gathered {result['gathered_bytes'] / gib:.1f} GiB" if result["gathered_bytes"] else "")
+            + f" per GPU. {result['method']}. Estimated in {result['seconds_taken']:.0f} s on "
+            f"{result['machine']}.",
             "",
-            "| preset / plan | activations (end of fwd) | peak per GPU | est. step vs none | planner |",
-            "|---|---:|---:|---:|---:|",
+            "| preset / plan | activations (end of fwd) | requested | allocated | reserved | fits "
+            "| est. step vs none | planner |",
+            "|---|---:|---:|---:|---:|:---:|---:|---:|",
         ]
         for row in result["rows"]:
             planner = (
@@ -106,9 +112,11 @@ def render(results: dict[str, dict]) -> str:
                 if row["predicted_peak_bytes"] is None
                 else f"{row['predicted_peak_bytes'] / gib:.2f} GiB, {row['predicted_ratio']:.3f}x"
             )
-            activations, peak = row["activation_bytes"] / gib, row["peak_bytes"] / gib
+            keys = ("activation_bytes", "peak_bytes", "allocated_peak_bytes", "reserved_peak_bytes")
+            figures = [row[key] / gib for key in keys]
+            cells = " | ".join(f"{value:.2f} GiB" for value in figures)
             lines.append(
-                f"| {row['preset']} | {activations:.2f} GiB | {peak:.2f} GiB "
+                f"| {row['preset']} | {cells} | {'yes' if row['fits'] else 'no'} "
                 f"| {row['ratio_to_none']:.3f}x | {planner} |"
             )
         lines.append("")

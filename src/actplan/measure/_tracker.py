@@ -105,7 +105,7 @@ class StorageTracker(TorchDispatchMode):
         # A run on fake tensors (``FakeTensorMode``): its tensors are counted like real ones.
         # Fake tensors of any other mode (a compiler's tracing) are not allocations of the run.
         self.fake_mode = fake_mode
-        # storage key -> [nbytes, weakref, allocating op, trace id]; the weakref must live here
+        # storage key -> [nbytes, weakref, allocating op, trace id, device type]; the weakref must live here
         # for its callback to fire, and dropping the dict disarms every callback at once.
         self.tracked: dict[int, list[Any]] = {}
         self.live_bytes = 0
@@ -119,9 +119,16 @@ class StorageTracker(TorchDispatchMode):
         self._op_info: dict[Any, tuple[bool, str]] = {}
         # With ``trace``: every allocation and free in order, as ``(op, id, nbytes, stream)``
         # (op 1 allocates, 0 frees), what the allocator model (``_allocator.replay``) replays.
-        # ``stream`` is whatever the caller sets before the allocations it stands for.
+        # ``stream`` numbers the device's current stream at the allocation (the caching
+        # allocator keeps a pool per stream): 0 is the one current when the window opened,
+        # FSDP2's all-gather and reduce-scatter streams (selected with the device module's
+        # ``stream(...)``, as FSDP2 does on every device, the CPU's included) the next ones.
         self.events: list[tuple[int, int, int, int]] | None = [] if trace else None
-        self.stream = 0
+        self._streams: dict[Any, int] = {}
+        if trace:  # the streams current now are the compute streams
+            for device_type in ("cpu", "cuda"):
+                if device_type == "cpu" or torch.cuda.is_initialized():
+                    self._streams.setdefault(self._stream_key(device_type), 0)
         self._serial = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -174,14 +181,15 @@ class StorageTracker(TorchDispatchMode):
         if returns_alias:
             # A view or in-place/out= result over a storage that predates the window.
             return
-        self._track(key, storage, label)
+        self._track(key, storage, label, tensor.device.type)
 
-    def _track(self, key: int, storage: torch.UntypedStorage, label: str) -> None:
+    def _track(self, key: int, storage: torch.UntypedStorage, label: str, device_type: str) -> None:
+        # The tensor's device: a fake tensor's storage is on the meta device.
         nbytes = storage.nbytes()
         with self.lock:
             ref = weakref.ref(storage, functools.partial(self._on_free, key))
-            serial = self._allocation(nbytes) if self.events is not None else 0
-            self.tracked[key] = [nbytes, ref, label, serial]
+            serial = self._allocation(nbytes, device_type) if self.events is not None else 0
+            self.tracked[key] = [nbytes, ref, label, serial, device_type]
             self.saw_cuda = self.saw_cuda or storage.device.type == "cuda"
             self._change(nbytes, label)
 
@@ -192,8 +200,8 @@ class StorageTracker(TorchDispatchMode):
             if self.events is not None:
                 # A resize allocates the new size, copies, then frees the old block.
                 old_id = entry[3]
-                entry[3] = self._allocation(nbytes) if nbytes else 0
-                self.events.append((0, old_id, 0, self.stream))
+                entry[3] = self._allocation(nbytes, entry[4]) if nbytes else 0
+                self.events.append((0, old_id, 0, 0))
 
     def resized(self, tensor: torch.Tensor) -> None:
         """Follows a storage resized in place outside the dispatcher (``storage.resize_``, which
@@ -207,15 +215,27 @@ class StorageTracker(TorchDispatchMode):
         entry = self.tracked.get(key)
         if entry is None:
             if storage.nbytes():  # a storage from before the window, freed in it: not counted
-                self._track(key, storage, _RESIZE_LABEL)
+                self._track(key, storage, _RESIZE_LABEL, tensor.device.type)
         elif storage.nbytes() != entry[0]:
             self._resize(entry, storage.nbytes(), _RESIZE_LABEL)
 
-    def _allocation(self, nbytes: int) -> int:
+    def _allocation(self, nbytes: int, device_type: str) -> int:
         """Records an allocation in the trace (callers hold ``self.lock`` and trace); its id."""
         self._serial += 1
-        self.events.append((1, self._serial, nbytes, self.stream))  # type: ignore[union-attr]
+        self.events.append((1, self._serial, nbytes, self._stream(device_type)))  # type: ignore[union-attr]
         return self._serial
+
+    def _stream(self, device_type: str) -> int:
+        return self._streams.setdefault(self._stream_key(device_type), len(self._streams))
+
+    @staticmethod
+    def _stream_key(device_type: str) -> Any:
+        current = getattr(getattr(torch, device_type, None), "current_stream", None)
+        if current is None:
+            return None
+        stream = current()
+        # CUDA hands out a new Python object per call for the same stream: key by its id.
+        return (device_type, getattr(stream, "stream_id", None) or id(stream))
 
     def _on_free(self, key: int, _ref: weakref.ref) -> None:
         with self.lock:
@@ -223,7 +243,7 @@ class StorageTracker(TorchDispatchMode):
             if entry is not None:
                 self._change(-entry[0], _FREE_LABEL)
                 if self.events is not None:
-                    self.events.append((0, entry[3], 0, self.stream))
+                    self.events.append((0, entry[3], 0, 0))
 
     def _change(self, delta: int, label: str) -> None:
         """Apply a change of live bytes; callers hold ``self.lock``."""
@@ -241,7 +261,7 @@ class StorageTracker(TorchDispatchMode):
         """Live bytes grouped by the op that allocated each storage, largest first."""
         totals: dict[str, int] = {}
         with self.lock:
-            for nbytes, _, label, _ in self.tracked.values():
+            for nbytes, _, label, *_ in self.tracked.values():
                 totals[label] = totals.get(label, 0) + nbytes
         return dict(sorted(totals.items(), key=lambda item: -item[1]))
 

@@ -171,12 +171,16 @@ def rank_step(
             if tp == 1
             else init_device_mesh(device, (fsdp, tp), mesh_dim_names=("dp", "tp"))
         )
+        loss_context = contextlib.nullcontext
+        if tp > 1:
+            from torch.distributed.tensor.parallel import loss_parallel as loss_context
         with torch.device("meta"):
             # fp32 parameters, cast to the compute dtype for each layer's forward by FSDP2.
             bundle = build_model(shape.model, "small", **shape.model_overrides())
         model = bundle.model
         parameters = sum(p.numel() for p in model.parameters())
-        parallelize(model, mesh, install(model, preset), mp_policy=policy)
+        options = {} if tp == 1 else {"tp_plan": _loss_parallel_plan(model, tp)}
+        parallelize(model, mesh, install(model, preset), mp_policy=policy, **options)
         with FakeRun(materialize_meta=True) if fake else contextlib.nullcontext(), warnings.catch_warnings():
             # FSDP2 warns that the root returns a view (its hook would miss an in-place op on
             # it); the step here does none, and the warning would only puzzle a user.
@@ -191,7 +195,7 @@ def rank_step(
                 for step in range(STEPS):
                     steady = step == STEPS - 1
                     start = meter.mark(f"step{step}").live_bytes
-                    with clock if steady else contextlib.nullcontext():
+                    with clock if steady else contextlib.nullcontext(), loss_context():
                         loss = loss_of(model(**batch))
                         forward_end = meter.mark(f"forward{step}").live_bytes
                         loss.backward()
@@ -212,6 +216,26 @@ def rank_step(
         flops=clock.flops,
         seconds=clock.seconds,
     )
+
+
+def _loss_parallel_plan(model: torch.nn.Module, tp: int) -> dict:
+    """The model's own tensor-parallel plan with torchtitan's default for the output head:
+    loss parallel, its logits left sharded by vocabulary for a cross-entropy computed under
+    ``loss_parallel()``, instead of gathered whole on every rank."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    from actplan._install.tensor_parallel import tensor_parallel_plan
+
+    plan = dict(tensor_parallel_plan(model, tp, True))
+    head = plan.get("lm_head")
+    if head is None:
+        return plan
+    (style,) = head
+    # A DTensor out, for the loss-parallel cross-entropy.
+    layouts = {"input_layouts": style.input_layouts[0], "output_layouts": Shard(-1)}
+    plan["lm_head"] = (ColwiseParallel(**layouts, use_local_output=False),)
+    return plan
 
 
 def formula_trace(

@@ -279,8 +279,14 @@ def estimate(
         planner = plans_for(
             rank_shape, accel.name, static + gathered, accel.memory_bytes - outside, none_row.seconds, say
         )
-        # A budget is what the GPU must hold: reserved plus what sits outside the allocator.
-        targets = [budget_bytes] if budget_bytes is not None else [b + outside for b in planner.budgets]
+        # A budget is what the GPU must hold: reserved plus what sits outside the allocator. The
+        # default ones are the planner's (requested bytes) plus both, the reserve as `none`'s.
+        reserve = none_row.reserved_peak_bytes - none_row.peak_bytes
+        targets = (
+            [budget_bytes]
+            if budget_bytes is not None
+            else [int(min(b + reserve + outside, accel.memory_bytes)) for b in planner.budgets]
+        )
         for target in targets:
             row = _plan_within(planner, target, outside, step, say, refused)
             if row is not None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from actplan.measure import AllocatorSettings
@@ -35,7 +35,7 @@ class Case:
     fsdp: int = 8
     tp: int = 1
     alloc_conf: str = ""
-    notes: list[str] = field(default_factory=list)
+    optimizer_impl: str = "foreach"  # torchtitan's default until 2025-02-24 (#881), fused after
 
 
 def _llama(batch: int, seq: int = 8192) -> Shape:
@@ -49,31 +49,35 @@ def _qwen(batch: int) -> Shape:
 
 
 EXPANDABLE = "expandable_segments:True"  # torchtitan's launch script, from 2024-10-22 on
+# torchtitan's runs from 2025-02-24 on (#881) step a fused AdamW; earlier ones torch's default
+# on a GPU, foreach.
+LATE_2024 = {"alloc_conf": EXPANDABLE}
+SINCE_2025_03 = {"alloc_conf": EXPANDABLE, "optimizer_impl": "fused"}
 TITAN = "torchtitan"
+QWEN_PR = f"{TITAN} PR #1690, Qwen3 32B training configs"
 CASES = [
     Case("E1", f"{TITAN} docs/performance.md (2024-12), Table 1: 8xH100, eager", _llama(2),
-         "titan-op-sac", 82.4, 8, alloc_conf=EXPANDABLE),
+         "titan-op-sac", 82.4, 8, **LATE_2024),
     Case("E2", f"{TITAN} docs/performance.md (2024-12), Table 3: 128xH100, eager", _llama(2),
-         "titan-op-sac", 67.0, 128, alloc_conf=EXPANDABLE),
+         "titan-op-sac", 67.0, 128, **LATE_2024),
     Case("E3", f"{TITAN} PR #822 (reshard_after_forward default), 8xH100", _llama(1),
-         "titan-op-sac", 49.59, 8, alloc_conf=EXPANDABLE),
+         "titan-op-sac", 49.59, 8, **LATE_2024),
     Case("E6", f"{TITAN} PR #467 (no-AC baseline), 8xH100, before expandable segments", _llama(1),
          "none", 78.38, 8),
-    Case("E8a", f"{TITAN} PR #1690, Qwen3 32B training configs", _qwen(1), "full", 81.47, 8,
-         alloc_conf=EXPANDABLE),
-    Case("E8b", f"{TITAN} PR #1690", _qwen(2), "full", 89.33, 8, alloc_conf=EXPANDABLE),
-    Case("E8c", f"{TITAN} PR #1690", _qwen(4), "full", 78.48, 16, alloc_conf=EXPANDABLE),
+    Case("E8a", QWEN_PR, _qwen(1), "full", 81.47, 8, **SINCE_2025_03),
+    Case("E8b", QWEN_PR, _qwen(2), "full", 89.33, 8, **SINCE_2025_03),
+    Case("E8c", QWEN_PR, _qwen(4), "full", 78.48, 16, **SINCE_2025_03),
     Case("T1", f"{TITAN} PR #364 (A100 80GB inferred), before expandable segments", _llama(4),
          "titan-op-sac", 65.53, 2, tp=4),
     Case("T2", f"{TITAN} PR #364, earlier revision (lbs 1, the config default)", _llama(1),
          "titan-op-sac", 30.98, 2, tp=4),
-    Case("T3a", f"{TITAN} PR #1690, Qwen3 32B", _qwen(16), "full", 43.45, 4, tp=8, alloc_conf=EXPANDABLE),
-    Case("T3b", f"{TITAN} PR #1690", _qwen(32), "full", 70.79, 4, tp=8, alloc_conf=EXPANDABLE),
-    Case("T3c", f"{TITAN} PR #1690", _qwen(32), "full", 63.27, 8, tp=8, alloc_conf=EXPANDABLE),
-    Case("T3d", f"{TITAN} PR #1690", _qwen(16), "full", 70.20, 8, tp=4, alloc_conf=EXPANDABLE),
+    Case("T3a", QWEN_PR, _qwen(16), "full", 43.45, 4, tp=8, **SINCE_2025_03),
+    Case("T3b", QWEN_PR, _qwen(32), "full", 70.79, 4, tp=8, **SINCE_2025_03),
+    Case("T3c", QWEN_PR, _qwen(32), "full", 63.27, 8, tp=8, **SINCE_2025_03),
+    Case("T3d", QWEN_PR, _qwen(16), "full", 70.20, 8, tp=4, **SINCE_2025_03),
     Case("C3", f"{TITAN} docs/performance.md (2024-12), Table 4: compile and float8 (not modelled)",
          load_shape("llama3-70b", seq=8192, batch=16, dtype="bf16"), "full", 71.9, 32, tp=8,
-         alloc_conf=EXPANDABLE),
+         **LATE_2024),
 ]  # fmt: skip
 
 
@@ -89,7 +93,13 @@ def main() -> int:
         started = time.perf_counter()
         settings = AllocatorSettings.parse(case.alloc_conf) if case.alloc_conf else AllocatorSettings()
         result = estimate(
-            case.shape, (case.preset,), gpu="h100", fsdp=case.fsdp, tp=case.tp, allocator=settings
+            case.shape,
+            (case.preset,),
+            gpu="h100",
+            fsdp=case.fsdp,
+            tp=case.tp,
+            allocator=settings,
+            optimizer_impl=case.optimizer_impl,
         )
         row = result.rows[0]
         ours = row.reserved_peak_bytes / GIB
@@ -110,15 +120,15 @@ def main() -> int:
         "all-to-all saved, and every other matmul). The model is actplan's reference decoder at",
         "each shape, not torchtitan's own code: see the notes below the table.",
         "",
-        "| case | source | model, layout, local batch x seq | checkpointing | allocator | published | "
-        "ours: allocated | ours: reserved | error |",
-        "|---|---|---|---|---|---:|---:|---:|---:|",
+        "| case | source | model, layout, local batch x seq | checkpointing | allocator | AdamW "
+        "| published | ours: allocated | ours: reserved | error |",
+        "|---|---|---|---|---|---|---:|---:|---:|---:|",
     ]
     for case, ours, allocated, error, _ in rows:
         layout = f"FSDP {case.fsdp}" + (f" x TP {case.tp} + SP" if case.tp > 1 else "")
         lines.append(
             f"| {case.key} | {case.source} | {case.shape.name}, {layout}, {case.shape.batch} x "
-            f"{case.shape.seq} | {case.preset} | {case.alloc_conf or 'defaults'} | "
+            f"{case.shape.seq} | {case.preset} | {case.alloc_conf or 'defaults'} | {case.optimizer_impl} | "
             f"{case.published_gib:.2f} GiB | {allocated:.2f} GiB | {ours:.2f} GiB | {error:+.1%} |"
         )
     lines += ["", *NOTES]

@@ -13,6 +13,7 @@ import torch
 
 from actplan.cli import main
 from actplan.config import RecomputeConfig
+from actplan.measure import AllocatorSettings
 from actplan.models.shape import Shape, load_shape, shape_from_hf_config, shape_names
 from actplan.planning._rank_step import rank_step
 from actplan.planning.estimate import estimate, preset_step
@@ -169,6 +170,35 @@ def test_fits_means_reserved_and_what_sits_outside_the_allocator_within_the_budg
 def test_a_budget_above_the_gpus_memory_is_refused_with_both_figures():
     with pytest.raises(ValueError, match=r"931\.323 GiB is more than the h100's 74\.506 GiB"):
         estimate(SMALL, ("none",), budget_bytes=10**12)
+
+
+def test_allocator_settings_change_what_is_reserved_not_what_is_allocated(monkeypatch, capsys):
+    plain = estimate(MEDIUM, ("none",), fsdp=2).rows[0]
+    expandable = estimate(
+        MEDIUM, ("none",), fsdp=2, allocator=AllocatorSettings.parse("expandable_segments:True")
+    ).rows[0]
+    assert expandable.allocated_peak_bytes == plain.allocated_peak_bytes
+    assert expandable.reserved_peak_bytes < plain.reserved_peak_bytes
+    # The command line reads PYTORCH_ALLOC_CONF, and names the known keys for an unknown one.
+    args = ["estimate", "--model", "dense", "--layers", "2", "--hidden", "64", "--heads", "4", "--quiet"]
+    args += ["--kv-heads", "2", "--ffn", "128", "--vocab", "128", "--seq", "32", "--presets", "none"]
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:True")
+    assert main(args) == 0
+    assert "allocator: expandable_segments:True" in " ".join(capsys.readouterr().out.split())
+    assert main([*args, "--alloc-conf", "max_split:64"]) == 2
+    printed = " ".join(capsys.readouterr().out.split())
+    assert "unknown allocator setting 'max_split'; known: max_split_size_mb" in printed
+
+
+def test_adamw_runs_as_the_implementation_named():
+    # foreach AdamW allocates temporaries the size of the parameter shards at the optimizer
+    # step, fused none: the same state between steps, never more at the peak.
+    foreach = rank_step(SMALL, "full", 2, "h100")
+    fused = rank_step(SMALL, "full", 2, "h100", optimizer_impl="fused")
+    assert fused.resident_bytes == foreach.resident_bytes
+    assert fused.peak_bytes <= foreach.peak_bytes
+    with pytest.raises(ValueError, match="unknown AdamW implementation 'lion'; choose one of foreach"):
+        rank_step(SMALL, "full", 2, "h100", optimizer_impl="lion")
 
 
 def test_moe_estimate_routes_tokens_evenly():

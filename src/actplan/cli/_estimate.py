@@ -69,6 +69,7 @@ def estimate(args: argparse.Namespace, console: Console) -> int:
         budget_bytes=budget,
         plans=args.plan or bool(args.out),
         allocator=allocator,
+        optimizer_impl=args.optimizer_impl,
         progress=progress,
     )
     console.print(estimate_table(result))

@@ -127,6 +127,13 @@ def _add_estimate(sub) -> None:
         "whole), titan-op-sac (torchtitan's op-level selective checkpointing)",
     )
     parser.add_argument(
+        "--optimizer-impl",
+        default="foreach",
+        choices=("foreach", "fused", "for-loop"),
+        help="AdamW's implementation: foreach (torch's default on a GPU) allocates temporaries the "
+        "size of the parameter shards at the optimizer step, fused (torchtitan's default) none",
+    )
+    parser.add_argument(
         "--alloc-conf",
         metavar="SETTINGS",
         help="the CUDA caching allocator's settings, as PYTORCH_ALLOC_CONF takes them (e.g. "

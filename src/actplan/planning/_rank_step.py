@@ -47,6 +47,7 @@ from actplan.models.shape import DTYPES, Shape
 
 __all__ = [
     "CUDA_CONTEXT_BYTES",
+    "OPTIMIZER_IMPLS",
     "RankStep",
     "fake_world",
     "formula_trace",
@@ -56,6 +57,8 @@ __all__ = [
 ]
 
 STEPS = 2  # the first step allocates AdamW's state; the second is the steady one
+OPTIMIZER_IMPLS = {"foreach": {"foreach": True}, "fused": {"fused": True}, "for-loop": {"foreach": False}}
+"""AdamW's implementations, by torchtitan's names for them, as ``torch.optim.AdamW`` flags."""
 
 MIB = 1 << 20
 CUDA_CONTEXT_BYTES = 500 * MIB
@@ -153,11 +156,19 @@ def rank_step(
     settings: AllocatorSettings | None = None,
     fake: bool = True,
     tp: int = 1,
+    optimizer_impl: str = "foreach",
 ) -> RankStep:
     """Rank 0 of FSDP over ``fsdp`` ranks, times tensor parallelism (with sequence
     parallelism) over ``tp``, training ``shape`` (the whole model: the layout shards it) under
     ``preset`` (an actplan preset or config, or one of ``BASELINES``): see the module doc.
-    ``fake=False`` runs the same on real tensors (the tests compare them)."""
+    ``fake=False`` runs the same on real tensors (the tests compare them). ``optimizer_impl``
+    is AdamW's implementation (``OPTIMIZER_IMPLS``): ``foreach``, torch's default for CUDA
+    tensors, allocates temporaries the size of the parameter shards at the step; ``fused``
+    (torchtitan's default since February 2025) none."""
+    if optimizer_impl not in OPTIMIZER_IMPLS:
+        raise ValueError(
+            f"unknown AdamW implementation {optimizer_impl!r}; choose one of {', '.join(OPTIMIZER_IMPLS)}"
+        )
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -186,7 +197,7 @@ def rank_step(
             # it); the step here does none, and the warning would only puzzle a user.
             warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
             model.to_empty(device=device)
-            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, **OPTIMIZER_IMPLS[optimizer_impl])
             batch = bundle.batch(0, device)
             resident = _resident_events(model)
             meter = MemoryMeter(model, optimizer, trace_allocations=True, follow_fsdp=True)

@@ -206,14 +206,15 @@ def estimate(
     budget_bytes: int | None = None,
     plans: bool = False,
     allocator: AllocatorSettings | None = None,
+    optimizer_impl: str = "foreach",
     progress: Callable[[str], None] | None = None,
 ) -> EstimateResult:
     """Each preset's memory per GPU (requested, allocated and reserved) and estimated step
     time at ``shape`` on one rank of the layout (FSDP over ``fsdp``, tensor parallel over
     ``tp``, experts over ``ep``) under the caching allocator's ``allocator`` settings
     (torch's defaults when ``None``); with ``plans``, the planner's plan for ``budget_bytes``
-    (or three budgets across the feasible range), each stepped like a preset. See the
-    module doc."""
+    (or three budgets across the feasible range), each stepped like a preset;
+    ``optimizer_impl`` is AdamW's (``_rank_step.OPTIMIZER_IMPLS``). See the module doc."""
     accel = accelerator(gpu)
     if fsdp < 1:
         raise ValueError(f"--fsdp must be 1 or more ranks, got {fsdp}")
@@ -244,7 +245,7 @@ def estimate(
         name = preset if isinstance(preset, str) else "plan"
         if measured:
             say(f"stepping {name} through parallelize over {fsdp * tp} fake ranks")
-            ran = rank_step(shape, preset, fsdp, accel.name, settings, tp=tp)
+            ran = rank_step(shape, preset, fsdp, accel.name, settings, tp=tp, optimizer_impl=optimizer_impl)
             static = ran.resident_bytes
             row = EstimateRow(
                 preset=name,
@@ -311,7 +312,7 @@ def estimate(
         method = f"{layout} on a fake process group, AdamW, steady (2nd) step"
         notes.append(
             f"measured through actplan.parallelize: {layout} over {fsdp * tp} fake rank(s), bf16 "
-            "parameters and fp32 reductions, two steps of AdamW (foreach); static = what stays "
+            f"parameters and fp32 reductions, two steps of AdamW ({optimizer_impl}); static = what stays "
             "between steps"
         )
     else:

@@ -25,6 +25,7 @@ import contextlib
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -45,6 +46,9 @@ from actplan.measure import (
 from actplan.models import build_model, loss_of
 from actplan.models.shape import DTYPES, Shape
 
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
 __all__ = [
     "CUDA_CONTEXT_BYTES",
     "OPTIMIZER_IMPLS",
@@ -52,8 +56,10 @@ __all__ = [
     "fake_world",
     "formula_trace",
     "install",
+    "layout_mesh",
     "nccl_bytes",
     "rank_step",
+    "step_on_mesh",
 ]
 
 STEPS = 2  # the first step allocates AdamW's state; the second is the steady one
@@ -159,62 +165,84 @@ def rank_step(
     optimizer_impl: str = "foreach",
 ) -> RankStep:
     """Rank 0 of FSDP over ``fsdp`` ranks, times tensor parallelism (with sequence
-    parallelism) over ``tp``, training ``shape`` (the whole model: the layout shards it) under
-    ``preset`` (an actplan preset or config, or one of ``BASELINES``): see the module doc.
-    ``fake=False`` runs the same on real tensors (the tests compare them). ``optimizer_impl``
-    is AdamW's implementation (``OPTIMIZER_IMPLS``): ``foreach``, torch's default for CUDA
-    tensors, allocates temporaries the size of the parameter shards at the step; ``fused``
-    (torchtitan's default since February 2025) none."""
+    parallelism) over ``tp``, on torch's fake process group: ``step_on_mesh`` there. ``fake=False``
+    runs the same on real tensors (the tests compare them)."""
     if optimizer_impl not in OPTIMIZER_IMPLS:
         raise ValueError(
             f"unknown AdamW implementation {optimizer_impl!r}; choose one of {', '.join(OPTIMIZER_IMPLS)}"
         )
+    with fake_world(fsdp * tp):
+        return step_on_mesh(shape, preset, layout_mesh(fsdp, tp), gpu, settings, fake, optimizer_impl)
+
+
+def layout_mesh(fsdp: int, tp: int) -> DeviceMesh:
+    """The device mesh ``parallelize`` takes for the layout, over the default process group:
+    1-D for FSDP alone, ``("dp", "tp")`` with tensor parallelism. Made outside any fake mode:
+    the mesh computes its coordinates from real values."""
     from torch.distributed.device_mesh import init_device_mesh
+
+    device = FakeRun.device.type
+    if tp == 1:
+        return init_device_mesh(device, (fsdp,))
+    return init_device_mesh(device, (fsdp, tp), mesh_dim_names=("dp", "tp"))
+
+
+def step_on_mesh(
+    shape: Shape,
+    preset: str | RecomputeConfig,
+    mesh: DeviceMesh,
+    gpu: str,
+    settings: AllocatorSettings | None = None,
+    fake: bool = True,
+    optimizer_impl: str = "foreach",
+) -> RankStep:
+    """This rank of ``mesh`` training ``shape`` (the whole model: the layout shards it) under
+    ``preset`` (an actplan preset or config, or one of ``BASELINES``): see the module doc. Runs
+    on fake tensors, or with ``fake=False`` on real ones (the CPU's; the tests run it so on a
+    real gloo group, too). ``optimizer_impl`` is AdamW's implementation (``OPTIMIZER_IMPLS``):
+    ``foreach``, torch's default for CUDA tensors, allocates temporaries the size of the
+    parameter shards at the step; ``fused`` (torchtitan's default since February 2025) none."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
+    names = mesh.mesh_dim_names or ()
+    tp = mesh["tp"].size() if "tp" in names else 1
     policy = MixedPrecisionPolicy(param_dtype=DTYPES[shape.dtype], reduce_dtype=torch.float32)
-    with fake_world(fsdp * tp):
-        # The mesh computes its coordinates from real values, and tensor parallelism cannot be
-        # applied inside a fake mode: both happen on the meta device, before it.
-        device = FakeRun.device.type
-        mesh = (
-            init_device_mesh(device, (fsdp,))
-            if tp == 1
-            else init_device_mesh(device, (fsdp, tp), mesh_dim_names=("dp", "tp"))
-        )
-        loss_context = contextlib.nullcontext
-        if tp > 1:
-            from torch.distributed.tensor.parallel import loss_parallel as loss_context
-        with torch.device("meta"):
-            # fp32 parameters, cast to the compute dtype for each layer's forward by FSDP2.
-            bundle = build_model(shape.model, "small", **shape.model_overrides())
-        model = bundle.model
-        parameters = sum(p.numel() for p in model.parameters())
-        options = {} if tp == 1 else {"tp_plan": _loss_parallel_plan(model, tp)}
-        parallelize(model, mesh, install(model, preset), mp_policy=policy, **options)
-        with FakeRun(materialize_meta=True) if fake else contextlib.nullcontext(), warnings.catch_warnings():
-            # FSDP2 warns that the root returns a view (its hook would miss an in-place op on
-            # it); the step here does none, and the warning would only puzzle a user.
-            warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-            model.to_empty(device=device)
-            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, **OPTIMIZER_IMPLS[optimizer_impl])
-            batch = bundle.batch(0, device)
-            resident = _resident_events(model)
-            meter = MemoryMeter(model, optimizer, trace_allocations=True, follow_fsdp=True)
-            clock = RooflineClock(gpu)
-            with meter:
-                for step in range(STEPS):
-                    steady = step == STEPS - 1
-                    start = meter.mark(f"step{step}").live_bytes
-                    with clock if steady else contextlib.nullcontext(), loss_context():
-                        loss = loss_of(model(**batch))
-                        forward_end = meter.mark(f"forward{step}").live_bytes
-                        loss.backward()
-                    del loss
-                    optimizer.step()
-                    optimizer.zero_grad(set_to_none=True)
-            report = meter.report()
-            events = meter.allocation_trace()
+    device = FakeRun.device.type
+    loss_context = contextlib.nullcontext
+    if tp > 1:
+        from torch.distributed.tensor.parallel import loss_parallel as loss_context
+    # Tensor parallelism cannot be applied inside a fake mode: the model is built and
+    # parallelized on the meta device, then given storage.
+    with torch.device("meta"):
+        # fp32 parameters, cast to the compute dtype for each layer's forward by FSDP2.
+        bundle = build_model(shape.model, "small", **shape.model_overrides())
+    model = bundle.model
+    parameters = sum(p.numel() for p in model.parameters())
+    options = {} if tp == 1 else {"tp_plan": _loss_parallel_plan(model, tp)}
+    parallelize(model, mesh, install(model, preset), mp_policy=policy, **options)
+    with FakeRun(materialize_meta=True) if fake else contextlib.nullcontext(), warnings.catch_warnings():
+        # FSDP2 warns that the root returns a view (its hook would miss an in-place op on
+        # it); the step here does none, and the warning would only puzzle a user.
+        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+        model.to_empty(device=device)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, **OPTIMIZER_IMPLS[optimizer_impl])
+        batch = bundle.batch(0, device)
+        resident = _resident_events(model)
+        meter = MemoryMeter(model, optimizer, trace_allocations=True, follow_fsdp=True)
+        clock = RooflineClock(gpu)
+        with meter:
+            for step in range(STEPS):
+                steady = step == STEPS - 1
+                start = meter.mark(f"step{step}").live_bytes
+                with clock if steady else contextlib.nullcontext(), loss_context():
+                    loss = loss_of(model(**batch))
+                    forward_end = meter.mark(f"forward{step}").live_bytes
+                    loss.backward()
+                del loss
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+        report = meter.report()
+        events = meter.allocation_trace()
     steady_start = meter.trace_marks[f"step{STEPS - 1}"]
     held_before = sum(nbytes for _, _, nbytes, _ in resident)
     return RankStep(

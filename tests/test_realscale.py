@@ -44,8 +44,13 @@ def test_the_committed_real_scale_table_renders_from_its_json_and_its_plans_hold
         plans = [row for row in result["rows"] if row["budget_bytes"] is not None]
         assert len(plans) == 3, name
         for plan in plans:
-            # Each plan, stepped, fits its budget (to 0.1%: the planner's prediction is close, not
-            # exact), and the planner predicted its peak to 2%.
-            assert plan["peak_bytes"] <= 1.001 * plan["budget_bytes"], (name, plan["preset"])
-            assert abs(plan["predicted_peak_bytes"] - plan["peak_bytes"]) <= 0.02 * plan["peak_bytes"]
-            assert rows["full"]["peak_bytes"] <= plan["peak_bytes"] <= rows["none"]["peak_bytes"]
+            # Each plan, stepped, fits its budget of GPU memory: reserved plus what sits outside
+            # the allocator. Where the rank's layers are stepped bare (expert parallel), the
+            # planner predicted the requested peak to 2%; through the real path it plans without
+            # FSDP2's buffers and the sequence-parallel split, and the estimate re-plans.
+            held = plan["reserved_peak_bytes"] + plan["outside_allocator_bytes"]
+            assert plan["fits"] and held <= plan["budget_bytes"], (name, plan["preset"])
+            if "formula" in result["method"]:
+                assert abs(plan["predicted_peak_bytes"] - plan["peak_bytes"]) <= 0.02 * plan["peak_bytes"]
+            assert rows["full"]["reserved_peak_bytes"] <= plan["reserved_peak_bytes"]
+            assert plan["reserved_peak_bytes"] <= rows["none"]["reserved_peak_bytes"]

@@ -105,7 +105,7 @@ def estimate_table(result) -> Table:
         static += f" + gathered {result.gathered_bytes / gib:.1f} GiB"
     table = Table(
         title=f"{result.description}\n{result.gpu}, FSDP over {result.fsdp}: "
-        f"{result.parameters / 1e9:.2f} B parameters on this rank before sharding, {static} per GPU\n"
+        f"{result.parameters / 1e9:.2f} B parameters {result.parameters_scope}, {static} per GPU\n"
         f"{result.method}; allocator: {result.allocator_settings}",
         caption=f"estimated on fake tensors in {result.seconds_taken:.0f} s; times are estimates",
     )

@@ -105,6 +105,7 @@ class EstimateResult:
     gathered_bytes: int
     budget_bytes: int | None
     method: str = ""  # how a rank was run: the real FSDP2 path, or the bare layers and formula
+    parameters_scope: str = ""  # what ``parameters`` counts: the whole model, or one rank's layers
     allocator_settings: str = ""
     gpu_memory_bytes: int = 0
     rows: list[EstimateRow] = field(default_factory=list)
@@ -354,6 +355,11 @@ def estimate(
         gathered_bytes=gathered,
         budget_bytes=budget_bytes,
         method=method,
+        parameters_scope=(
+            f"in the model, sharded over {fsdp * tp} ranks"
+            if measured
+            else f"in this rank's layers (TP {tp}, EP {ep}), before FSDP"
+        ),
         allocator_settings=settings.describe(),
         gpu_memory_bytes=accel.memory_bytes,
         rows=rows,
@@ -371,7 +377,7 @@ def _formula(sizes: _Sizes, fsdp: int, ep: int, itemsize: int) -> tuple[int, int
     return static, 2 * sizes.largest_unit * itemsize, tensors
 
 
-_PLAN_TRIES = 3
+_PLAN_TRIES = 6
 
 
 def _plan_within(planner, target, outside, step, say, refused) -> EstimateRow | None:

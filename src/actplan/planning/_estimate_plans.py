@@ -83,6 +83,7 @@ class Planner:
     profile: ModelProfile
     problem: Any
     budgets: list[int]
+    minimum: int  # the least requested bytes any plan peaks at
 
     def plan(self, budget: int) -> tuple[RecomputeConfig, float, float]:
         solution = solve(self.problem, budget)  # BudgetError names the feasible range
@@ -122,4 +123,4 @@ def plans_for(
     shares = (0.25, 0.5, 0.75)
     if low < usable < high:
         high, shares = usable, (1 / 3, 2 / 3, 1.0)
-    return Planner(profile, problem, [int(low + (high - low) * share) for share in shares])
+    return Planner(profile, problem, [int(low + (high - low) * share) for share in shares], int(low))

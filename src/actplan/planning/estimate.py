@@ -383,7 +383,8 @@ _PLAN_TRIES = 6
 def _plan_within(planner, target, outside, step, say, refused) -> EstimateRow | None:
     """The planner's plan for ``target`` bytes of GPU memory: it plans requested bytes, so the
     plan is stepped, and while its reserved bytes (plus ``outside``) exceed ``target`` it plans
-    again under a budget lowered by the excess, at most ``_PLAN_TRIES`` times."""
+    again under a budget lowered by the excess (and by at least the stepped plan's reserve
+    beyond its requested bytes), at most ``_PLAN_TRIES`` times."""
     allowed = target - outside
     row = None
     if allowed <= 0:
@@ -393,6 +394,9 @@ def _plan_within(planner, target, outside, step, say, refused) -> EstimateRow | 
         )
         return None
     for _ in range(_PLAN_TRIES):
+        if row is not None and allowed < planner.minimum:
+            # The lowered budget is below every plan: the plan that holds least is the last try.
+            allowed = planner.minimum
         try:
             config, predicted_peak, predicted_ratio = planner.plan(allowed)
         except BudgetError as err:
@@ -408,5 +412,9 @@ def _plan_within(planner, target, outside, step, say, refused) -> EstimateRow | 
         excess = row.reserved_peak_bytes + outside - target
         if excess <= 0:
             break
-        allowed -= excess
+        # Lower by the excess, and at least leave room for this plan's own reserve (reserved
+        # beyond requested), which the planner does not see.
+        if allowed == planner.minimum:
+            break  # the plan that holds least does not fit either
+        allowed = min(allowed - excess, target - outside - (row.reserved_peak_bytes - row.peak_bytes))
     return row

@@ -22,6 +22,7 @@ Imports torch, ``actplan._install``, ``measure``, ``models`` and ``_torch_intern
 from __future__ import annotations
 
 import contextlib
+import gc
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -230,7 +231,7 @@ def step_on_mesh(
         resident = _resident_events(model)
         meter = MemoryMeter(model, optimizer, trace_allocations=True, follow_fsdp=True)
         clock = RooflineClock(gpu)
-        with meter:
+        with meter, _collected_between_steps():
             for step in range(STEPS):
                 steady = step == STEPS - 1
                 start = meter.mark(f"step{step}").live_bytes
@@ -241,6 +242,7 @@ def step_on_mesh(
                 del loss
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
+                gc.collect()
         report = meter.report()
         events = meter.allocation_trace()
     steady_start = meter.trace_marks[f"step{STEPS - 1}"]
@@ -255,6 +257,21 @@ def step_on_mesh(
         flops=clock.flops,
         seconds=clock.seconds,
     )
+
+
+@contextlib.contextmanager
+def _collected_between_steps() -> Iterator[None]:
+    """Python's cyclic garbage collector off while the steps run, and run after each, as
+    torchtitan trains (``gc.disable()``, a collection every few steps): what a reference cycle
+    holds is then freed at the same point in every process, so the trace does not depend on
+    when a collection happened to run."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _loss_parallel_plan(model: torch.nn.Module, tp: int) -> dict:

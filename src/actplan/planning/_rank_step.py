@@ -168,10 +168,7 @@ def rank_step(
     """Rank 0 of FSDP over ``fsdp`` ranks, times tensor parallelism (with sequence
     parallelism) over ``tp``, on torch's fake process group: ``step_on_mesh`` there. ``fake=False``
     runs the same on real tensors (the tests compare them)."""
-    if optimizer_impl not in OPTIMIZER_IMPLS:
-        raise ValueError(
-            f"unknown AdamW implementation {optimizer_impl!r}; choose one of {', '.join(OPTIMIZER_IMPLS)}"
-        )
+    _check_optimizer_impl(optimizer_impl)  # before the process group starts
     with fake_world(fsdp * tp):
         return step_on_mesh(shape, preset, layout_mesh(fsdp, tp), gpu, settings, fake, optimizer_impl)
 
@@ -205,6 +202,7 @@ def step_on_mesh(
     parameter shards at the step; ``fused`` (torchtitan's default since February 2025) none."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
+    _check_optimizer_impl(optimizer_impl)
     names = mesh.mesh_dim_names or ()
     tp = mesh["tp"].size() if "tp" in names else 1
     policy = MixedPrecisionPolicy(param_dtype=DTYPES[shape.dtype], reduce_dtype=torch.float32)
@@ -257,6 +255,13 @@ def step_on_mesh(
         flops=clock.flops,
         seconds=clock.seconds,
     )
+
+
+def _check_optimizer_impl(optimizer_impl: str) -> None:
+    if optimizer_impl not in OPTIMIZER_IMPLS:
+        raise ValueError(
+            f"unknown AdamW implementation {optimizer_impl!r}; choose one of {', '.join(OPTIMIZER_IMPLS)}"
+        )
 
 
 @contextlib.contextmanager

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import time
@@ -182,6 +183,73 @@ def test_memory_report_is_json_serialisable():
     encoded = json.loads(json.dumps(meter.report().to_dict()))
     assert encoded["marks"]["here"]["live_bytes"] == 32
     assert kept.numel() == 8
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory meter: inside tensor subclasses (DTensor)
+# ---------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _one_rank_mesh():
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        yield init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
+    finally:
+        if owned:
+            dist.destroy_process_group()
+
+
+def test_meter_sees_the_temporaries_a_dtensor_op_makes_inside_its_handler():
+    # Loss parallelism computes log-softmax on a vocabulary-sharded DTensor in a handler of its
+    # own: a shifted copy of the logits and its exponential exist at once before the result is
+    # made. A dispatch mode is off the stack while a subclass runs, so a meter that only saw
+    # the op's output would count one copy of the logits where the step holds two.
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    rows, vocab = 64, 512
+    logits_bytes = rows * vocab * FLOAT32_BYTES
+    with _one_rank_mesh() as mesh:
+        logits = distribute_tensor(torch.randn(rows, vocab), mesh, [Shard(1)])
+        with loss_parallel(), MemoryMeter() as meter:
+            result = torch.log_softmax(logits, dim=-1)
+            assert meter.live_bytes == logits_bytes  # the result's local shard, nothing else
+        del result
+    report = meter.report()
+    # shifted + exp(shifted) + two per-row reductions, then shifted + the result.
+    assert report.peak_live_bytes >= 2 * logits_bytes
+    assert report.peak_live_bytes < 3 * logits_bytes
+    assert "aten.exp.default" in {label for label, _ in report.timeline}
+
+
+def test_dtensor_shape_propagation_on_a_fake_run_is_no_allocation():
+    # On fake tensors DTensor learns an op's output shape by running it on tensors of the
+    # global shape, under the run's own fake mode. Those are not the rank's allocations: a rank
+    # of 8 holds its shard's bytes, not the global tensor's 8x.
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from actplan.measure import FakeRun
+    from actplan.planning._rank_step import fake_world
+
+    world, rows, cols = 8, 64, 256
+    shard_bytes = rows * cols * FLOAT32_BYTES
+    with fake_world(world):
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))  # outside the fake mode
+        with FakeRun(materialize_meta=True):
+            local = torch.randn(rows, cols)
+            sharded = DTensor.from_local(local, mesh, [Shard(0)], run_check=False)
+            with MemoryMeter() as meter:
+                doubled = sharded * 2
+                assert doubled.shape == (world * rows, cols)
+                assert meter.live_bytes == shard_bytes
+    assert meter.report().peak_live_bytes == shard_bytes
 
 
 # ---------------------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import copy
 import faulthandler
+import gc
 import json
 import math
 import os
@@ -283,6 +284,13 @@ def scenario_titan() -> dict:
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
                 del loss
+                # The output of a functional all-reduce inside DTensor's loss-parallel
+                # cross-entropy (256 bytes) can outlive the step for a moment: held by gloo's
+                # worker thread until its work is retired, or by a reference cycle until the
+                # collector runs. Retire the group's work and collect (torchtitan's trainer
+                # collects each step), so "flat" means no leak rather than thread or gc timing.
+                dist.barrier(group=mesh.get_group())
+                gc.collect()
                 live_after_step.append(meter.mark("step").live_bytes)
         results[how] = {
             "forward_down_proj_calls": forward_calls,

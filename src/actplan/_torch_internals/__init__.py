@@ -26,7 +26,11 @@ from typing import Any
 import torch
 
 from actplan._torch_internals._errors import TorchInternalsError
-from actplan._torch_internals._fsdp import fake_process_group_store, watch_fsdp_storage_resizes
+from actplan._torch_internals._fsdp import (
+    dtensor_shape_propagation,
+    fake_process_group_store,
+    watch_fsdp_storage_resizes,
+)
 
 TESTED_TORCH = "2.13"
 SUPPORTED_TORCH = ">= 2.10"
@@ -56,7 +60,9 @@ try:
     from torch.utils._python_dispatch import (
         TorchDispatchMode,
         _disable_current_modes,
+        _get_current_dispatch_mode_stack,
         is_traceable_wrapper_subclass,
+        is_traceable_wrapper_subclass_type,
     )
     from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
 except ImportError as error:  # pragma: no cover - depends on the installed torch
@@ -80,11 +86,14 @@ __all__ = [
     "compile_module_under",
     "detach_alias",
     "disable_current_modes",
+    "dtensor_shape_propagation",
     "fake_process_group_store",
     "in_backward",
     "is_compiled_module",
     "is_traceable_wrapper_subclass",
+    "is_traceable_wrapper_subclass_type",
     "layer_compile_flags",
+    "modes_below",
     "op_name",
     "op_schema",
     "probe",
@@ -103,6 +112,12 @@ __all__ = [
 ]
 
 disable_current_modes = _disable_current_modes
+
+
+def modes_below() -> list[Any]:
+    """The dispatch modes on the stack now, innermost last. Inside a mode's own
+    ``__torch_dispatch__`` the mode itself is off the stack: these are the ones below it."""
+    return list(_get_current_dispatch_mode_stack())
 
 
 def _missing(name: str) -> Callable[..., Any]:
@@ -160,9 +175,12 @@ def tensor_base(tensor: torch.Tensor) -> torch.Tensor | None:
 @functools.cache
 def python_storage_refs() -> int:
     """The references a storage gains while its Python object exists (torch keeps that object
-    alive with the storage): calibrated on first use rather than assumed."""
-    probe_tensor = torch.empty(1)
-    return storage_use_count(probe_tensor.untyped_storage()._cdata) - 1
+    alive with the storage): calibrated on first use rather than assumed. The probe runs with
+    the dispatch modes off, so that a memory meter or a fake mode the first call happens under
+    sees nothing of it (a run would otherwise differ by whether it came first)."""
+    with _disable_current_modes():
+        probe_tensor = torch.empty(1, device="cpu")
+        return storage_use_count(probe_tensor.untyped_storage()._cdata) - 1
 
 
 def detach_alias(tensor: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,7 @@
-"""FSDP2's internals the estimate relies on: torch's fake process group, and the in-place
-storage resizes FSDP2 frees and regrows unsharded parameters with. Part of
-``actplan._torch_internals``, which re-exports both; imports torch and ``_errors``.
+"""The distributed internals the estimate relies on: torch's fake process group, the in-place
+storage resizes FSDP2 frees and regrows unsharded parameters with, and DTensor's shape
+propagation. Part of ``actplan._torch_internals``, which re-exports them; imports torch and
+``_errors``.
 """
 
 from __future__ import annotations
@@ -66,3 +67,44 @@ def watch_fsdp_storage_resizes(on_resize: Callable[[torch.Tensor], None]) -> Ite
     finally:
         for (module, name), original in originals.items():
             setattr(module, name, original)
+
+
+class _Counted:
+    """Wraps DTensor's shape-propagation lock (a ``nullcontext`` unless a multi-threaded test
+    set a real one) and counts how deep inside it this process is."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.depth = 0
+
+    def __enter__(self) -> None:
+        self.inner.__enter__()
+        self.depth += 1
+
+    def __exit__(self, *exc: Any) -> Any:
+        self.depth -= 1
+        return self.inner.__exit__(*exc)
+
+
+@contextlib.contextmanager
+def dtensor_shape_propagation() -> Iterator[Callable[[], bool] | None]:
+    """While open, a callable that says whether DTensor is propagating shapes now: running an
+    op on tensors of the global shape, under the fake mode active (a fake-tensor run's own) or
+    a private one, only to learn its output's metadata. Those tensors are no allocation of the
+    run. Yields ``None`` where this torch has no such hook (``ShardingPropagator.
+    _fake_mode_lock``, the lock DTensor holds around the propagation)."""
+    try:
+        from torch.distributed.tensor._sharding_prop import ShardingPropagator
+    except ImportError:
+        yield None
+        return
+    previous = getattr(ShardingPropagator, "_fake_mode_lock", None)
+    if previous is None:
+        yield None
+        return
+    counted = _Counted(previous)
+    ShardingPropagator._fake_mode_lock = counted
+    try:
+        yield lambda: counted.depth > 0
+    finally:
+        ShardingPropagator._fake_mode_lock = previous

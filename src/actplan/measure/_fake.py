@@ -101,6 +101,10 @@ class _Routing(TorchDispatchMode):
     """Answers ``bincount`` under fake tensors with counts whose values are known, and turns
     torch's data-dependence errors into one that says what to do."""
 
+    # A tensor subclass's op passes through unchanged (what ``StorageTracker`` asks of the
+    # modes below it before running a subclass's dispatch itself).
+    passes_subclass_ops = True
+
     def __init__(self, fake_mode: FakeTensorMode, routing: Literal["balanced"] | Sequence[Sequence[int]]):
         super().__init__()
         self.fake_mode = fake_mode

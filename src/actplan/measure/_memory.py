@@ -19,6 +19,7 @@ from actplan._torch_internals import (
     FakeTensor,
     FakeTensorMode,
     is_traceable_wrapper_subclass,
+    modes_below,
     storage_key_of,
     watch_fsdp_storage_resizes,
 )
@@ -79,6 +80,14 @@ def fake_mode_of(tensors: Iterable[torch.Tensor]) -> FakeTensorMode | None:
             found = fake_mode_of(getattr(tensor, name) for name in names)
             if found is not None:
                 return found
+    return None
+
+
+def active_fake_mode() -> FakeTensorMode | None:
+    """The innermost ``FakeTensorMode`` on the dispatch stack now, or None outside one."""
+    for mode in reversed(modes_below()):
+        if isinstance(mode, FakeTensorMode):
+            return mode
     return None
 
 
@@ -189,7 +198,9 @@ class MemoryMeter:
             torch.cuda.reset_peak_memory_stats()
             self._cuda_base_allocated = torch.cuda.memory_allocated()
         tracker_type = CompiledCodeTracker if self.run_compiled else StorageTracker
-        self._tracker = tracker_type(self.timeline_cap, fake_mode_of(params), self.trace_allocations)
+        # A meter with no fake model inside a fake run (``FakeRun``) counts the run's tensors.
+        fake_mode = fake_mode_of(params) or active_fake_mode()
+        self._tracker = tracker_type(self.timeline_cap, fake_mode, self.trace_allocations)
         follow = watch_fsdp_storage_resizes(self._tracker.resized) if self.follow_fsdp else None
         self._resizes = follow or contextlib.nullcontext()
         self._resizes.__enter__()

@@ -17,7 +17,10 @@ from actplan._torch_internals import (
     FakeTensor,
     FakeTensorMode,
     TorchDispatchMode,
+    dtensor_shape_propagation,
     is_traceable_wrapper_subclass,
+    is_traceable_wrapper_subclass_type,
+    modes_below,
     op_schema,
     storage_key_of,
 )
@@ -90,6 +93,30 @@ class _Timeline:
         self.stride *= 2
 
 
+def _is_wrapper_subclass(kind: type) -> bool:
+    """A tensor subclass that wraps other tensors (DTensor), not a plain or fake tensor."""
+    if kind is torch.Tensor or issubclass(kind, FakeTensor):
+        return False
+    return is_traceable_wrapper_subclass_type(kind)
+
+
+class _SubclassWindow(TorchDispatchMode):
+    """On the stack while a tensor subclass runs one op for ``StorageTracker``: it declines that
+    op (a mode returning ``NotImplemented`` lets the dispatcher run the subclass next, with the
+    mode back on the stack) and hands every op the subclass then runs to the tracker."""
+
+    def __init__(self, tracker: StorageTracker) -> None:
+        super().__init__()
+        self.tracker = tracker
+        self.declined = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not self.declined:
+            self.declined = True
+            return NotImplemented
+        return self.tracker.__torch_dispatch__(func, types, args, kwargs)
+
+
 class StorageTracker(TorchDispatchMode):
     """Dispatch mode that sees every op output and tracks storages first seen in its window.
 
@@ -130,9 +157,36 @@ class StorageTracker(TorchDispatchMode):
                 if device_type == "cpu" or torch.cuda.is_initialized():
                     self._streams.setdefault(self._stream_key(device_type), 0)
         self._serial = 0
+        # Whether DTensor is propagating shapes now (its global-shape fake tensors are no
+        # allocation), or None where torch offers no way to tell: then no subclass is entered.
+        self._propagation: Any = None
+        self._propagating: Any = None
+
+    def __enter__(self) -> StorageTracker:
+        self._propagation = dtensor_shape_propagation()
+        self._propagating = self._propagation.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            super().__exit__(*exc)
+        finally:
+            self._propagation.__exit__(*exc)
+            self._propagating = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        if self._propagating is not None and self._propagating():
+            return func(*args, **kwargs)
+        if self._propagating is not None and self._may_enter_subclass(types):
+            # A tensor subclass (DTensor) computes its result with ops on the tensors it wraps,
+            # and a mode is off the stack while it runs: without the window, the subclass's
+            # temporaries (a loss-parallel cross-entropy's, a redistribution's buffers) would
+            # go unseen.
+            with _SubclassWindow(self):
+                out = func(*args, **kwargs)
+        else:
+            out = func(*args, **kwargs)
         info = self._op_info.get(func)
         if info is None:
             # Higher-order operators (compiled graphs' RNG wrappers) have no schema: fresh outputs.
@@ -146,6 +200,19 @@ class StorageTracker(TorchDispatchMode):
         elif isinstance(out, (tuple, list)):
             self._observe_all(out, info)
         return out
+
+    @staticmethod
+    def _may_enter_subclass(types: Iterable[type]) -> bool:
+        """Whether an op on ``types`` is a wrapper subclass's (not a fake tensor's) whose own
+        ops the tracker may watch: only when every mode below it hands such an op on untouched
+        (a fake mode, which declines it, or one marked ``passes_subclass_ops``), so that no
+        mode misses an op by the window's detour."""
+        if not any(_is_wrapper_subclass(kind) for kind in types):
+            return False
+        return all(
+            isinstance(mode, FakeTensorMode) or getattr(mode, "passes_subclass_ops", False)
+            for mode in modes_below()
+        )
 
     def _observe_all(self, outputs: Iterable[Any], info: tuple[bool, str]) -> None:
         for item in outputs:

@@ -12,10 +12,14 @@ reduce-scatter inputs, the activations and every transient. The memory meter's a
 trace (every allocation and free in order) is replayed through the caching-allocator model
 (``measure.replay_allocations``), under the user's allocator settings.
 
+Each allocation is replayed in the pool of the stream it was made on (FSDP2's all-gather and
+reduce-scatter streams keep pools of their own, as on a GPU), and the meter sees inside DTensor
+ops: a loss-parallel cross-entropy's temporaries and a redistribution's buffers count, while the
+global-shape tensors DTensor propagates shapes with do not.
+
 What stays a stated assumption: the fake process group's collectives return at once, so a
 buffer a collective still reads on another stream is freed when the program frees it (torch's
-``record_stream`` would hold it to the collective's end), and every allocation is replayed on
-one stream (FSDP2's all-gather and reduce-scatter streams keep pools of their own on a GPU).
+``record_stream`` would hold it to the collective's end).
 Imports torch, ``actplan._install``, ``measure``, ``models`` and ``_torch_internals``.
 """
 

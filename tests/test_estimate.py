@@ -238,6 +238,11 @@ def test_shipped_shapes_load_and_say_where_they_come_from():
         (["--shape", "llama3-8b", "--hf-config", "x.json"], "give one of --shape, --hf-config"),
         (["--hf-config", "/nonexistent/config.json"], "no such file; give a local config.json"),
         (["--shape", "llama3-8b", "--budget", "80"], "under 1 MiB; write it with a unit"),
+        (["--shape", "llama3-8b", "--presets", "full,fulll"], "'fulll' is neither a preset name nor an "
+         "existing config file; valid presets: none, full"),
+        (["--shape", "llama3-8b", "--presets", "fulll"], "what users run today: torch-checkpoint, "
+         "titan-op-sac, titan-layer-sac:N"),
+        (["--shape", "llama3-8b", "--presets", "titan-layer-sac:0"], "a whole number of 1 or more"),
     ],
 )  # fmt: skip
 def test_bad_input_is_one_line_naming_the_problem(argv, message, capsys):
@@ -413,6 +418,32 @@ def test_latent_attention_gradients_are_exact_under_every_preset(model, preset):
     report = compare_steps(step(bundle.model, batch), step(candidate, batch))
     assert report.loss_identical and report.max_abs_grad_diff == 0.0, report.worst_param
     assert report.ok, report
+
+
+def test_titan_layer_sac_checkpoints_every_nth_layer_whole_exactly():
+    # torchtitan counts the layers it wraps from 1 and checkpoints every N-th: with N = 2, the
+    # 2nd and 4th of four. The step holds between no checkpointing and every layer whole, and
+    # its gradients are the no-checkpoint step's (without dropout: torchtitan's wrapper does not
+    # restore the RNG state for the replay, so a model with dropout would draw other masks).
+    import copy
+
+    from actplan._install.baselines import baseline
+    from actplan.measure import capture_step, compare_steps
+    from actplan.models import build_model, train_step
+
+    bundle = build_model("dense", "tiny", n_layers=4)
+    candidate = copy.deepcopy(bundle.model)
+    baseline("titan-layer-sac:2")(candidate)
+    assert ["forward" in vars(layer) for layer in candidate.layers] == [False, True, False, True]
+    batch = bundle.batch(0)
+    report = compare_steps(
+        capture_step(bundle.model, train_step(bundle.model, batch, seed=7)),
+        capture_step(candidate, train_step(candidate, batch, seed=7)),
+    )
+    assert report.loss_identical and report.max_abs_grad_diff == 0.0, report.worst_param
+    four = replace(SMALL, layers=4)
+    held = {p: rank_step(four, p, 1, "h100").activation_bytes for p in ("none", "titan-layer-sac:2", "full")}
+    assert held["full"] < held["titan-layer-sac:2"] < held["none"]
 
 
 def test_a_latent_attention_shape_that_does_not_fit_together_is_named():

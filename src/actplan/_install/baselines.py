@@ -1,8 +1,9 @@
 """The checkpointing users run today without actplan, installed on a model's layers so that
 the estimate and the benches can set them next to actplan's plans: whole-layer
-``torch.utils.checkpoint`` and torchtitan's op-level selective checkpointing, re-stated from
-its documented rule (save attention, the reduce-scatter and all-to-all collectives, ``max``,
-and every other matmul). Imports torch and ``_install.apply``.
+``torch.utils.checkpoint``, torchtitan's op-level selective checkpointing, re-stated from its
+documented rule (save attention, the reduce-scatter and all-to-all collectives, ``max``, and
+every other matmul), and torchtitan's layer-level selective checkpointing (every N-th layer
+whole). Imports torch and ``_install.apply``.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ __all__ = [
     "ATTENTION_KERNELS",
     "BASELINES",
     "TITAN_SAVE_OPS",
+    "baseline",
     "checkpoint_every_layer",
+    "titan_layer_sac",
     "titan_op_sac",
     "titan_policy",
     "torch_checkpoint",
@@ -61,7 +64,11 @@ def checkpoint_every_layer(model: nn.Module, **checkpoint_kwargs: Any) -> None:
     With no keyword arguments this is what most trainers do; ``checkpoint_kwargs`` (a
     ``context_fn``, ``preserve_rng_state``) make the op-level variants.
     """
-    for _, layer in find_layers(model):
+    _checkpoint_layers([layer for _, layer in find_layers(model)], **checkpoint_kwargs)
+
+
+def _checkpoint_layers(layers: Iterable[nn.Module], **checkpoint_kwargs: Any) -> None:
+    for layer in layers:
         forward = layer.forward
 
         def wrapped(*args, _forward=forward, **kwargs):
@@ -101,9 +108,39 @@ def titan_op_sac(model: nn.Module) -> str:
     return "op-level SAC, torchtitan's default save list (attention, collectives, every other mm)"
 
 
+def titan_layer_sac(model: nn.Module, every: int) -> str:
+    """torchtitan's layer-level selective checkpointing (``selective_ac_option = "N"``): it
+    counts the layers it wraps from 1 and checkpoints each whose count is a multiple of N, so
+    with N = 2 the 2nd, 4th, ... layers run whole under ``torch.utils.checkpoint`` (without
+    preserving the RNG state, as torchtitan wraps them) and the others keep everything."""
+    layers = [layer for _, layer in find_layers(model)]
+    _checkpoint_layers(layers[every - 1 :: every], preserve_rng_state=False)
+    return f"every {every}th layer whole (torchtitan's layer-level selective checkpointing)"
+
+
 BASELINES: dict[str, Callable[[nn.Module], str]] = {
     "torch-checkpoint": torch_checkpoint,
     "titan-op-sac": titan_op_sac,
 }
 """What users run today, by the name ``actplan estimate --presets`` takes: each installs
-itself on every layer and describes itself."""
+itself on every layer and describes itself. ``titan-layer-sac:N`` (``baseline``) is the one
+that takes a number."""
+
+LAYER_SAC = "titan-layer-sac:"
+
+
+def baseline(name: str) -> Callable[[nn.Module], str] | None:
+    """The baseline ``name`` installs (``BASELINES``, or ``titan-layer-sac:N`` for every N-th
+    layer whole), or None for a name that is not one. A layer-level name without a whole number
+    of 1 or more after its colon is refused."""
+    if name in BASELINES:
+        return BASELINES[name]
+    if not name.startswith(LAYER_SAC):
+        return None
+    every = name.removeprefix(LAYER_SAC)
+    if not every.isdigit() or int(every) < 1:
+        raise ValueError(
+            f"{name!r}: titan-layer-sac takes how often a layer is checkpointed, a whole number of "
+            "1 or more (titan-layer-sac:2 checkpoints every 2nd layer)"
+        )
+    return lambda model: titan_layer_sac(model, int(every))

@@ -124,7 +124,8 @@ def _add_estimate(sub) -> None:
         "--presets",
         default="none,full,attn,matmuls,megatron-selective",
         help="comma-separated presets, and what users run today: torch-checkpoint (every layer "
-        "whole), titan-op-sac (torchtitan's op-level selective checkpointing)",
+        "whole), titan-op-sac (torchtitan's op-level selective checkpointing), titan-layer-sac:N "
+        "(torchtitan's layer-level one: every N-th layer whole)",
     )
     parser.add_argument(
         "--optimizer-impl",

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from actplan._install.baselines import BASELINES
+from actplan._install.baselines import baseline
 from actplan._install.parallel import parallelize
 from actplan._torch_internals import fake_process_group_store
 from actplan.config import RecomputeConfig
@@ -153,8 +153,9 @@ def _peak_after(events: list[tuple[int, int, int, int]], start: int, live: int) 
 def install(model: torch.nn.Module, preset: str | RecomputeConfig) -> RecomputeConfig | str:
     """Installs a baseline (``BASELINES``: what users run today) itself and returns ``"none"``
     for actplan to install on top of it; returns anything else unchanged, for actplan."""
-    if isinstance(preset, str) and preset in BASELINES:
-        BASELINES[preset](model)
+    installer = baseline(preset) if isinstance(preset, str) else None
+    if installer is not None:
+        installer(model)
         return "none"
     return preset
 

@@ -1,9 +1,9 @@
 """``actplan estimate``: what a real-scale training step needs on one GPU, and which plan to
 run, before the hardware exists.
 
-Each preset (or baseline: ``torch-checkpoint``, ``titan-op-sac``) runs one rank's training at
-the requested shape on fake tensors (``measure.FakeRun``: nothing the size of the model is
-allocated) under the memory meter, with an allocation trace, and a roofline clock for the
+Each preset (or baseline: ``torch-checkpoint``, ``titan-op-sac``, ``titan-layer-sac:N``) runs
+one rank's training at the requested shape on fake tensors (``measure.FakeRun``: nothing the
+size of the model is allocated) under the memory meter, with an allocation trace, and a roofline clock for the
 named accelerator. The trace replays through the caching-allocator model
 (``measure.replay_allocations``) under the user's allocator settings: each row gives the
 bytes tensors request, the blocks the allocator hands out, and the segments it *reserves*,
@@ -44,7 +44,8 @@ from typing import Any
 from torch import nn
 
 from actplan._install.apply import apply, find_layers
-from actplan.config import RecomputeConfig
+from actplan._install.baselines import BASELINES, LAYER_SAC, baseline
+from actplan.config import ConfigError, RecomputeConfig
 from actplan.measure import (
     AllocatorSettings,
     FakeRun,
@@ -196,6 +197,19 @@ def preset_step(
     return row, sizes
 
 
+def _check_preset(name: str) -> None:
+    """Refuses, before any work, a name that is neither a baseline, nor a preset, nor a config
+    file, naming all three kinds."""
+    if baseline(name) is not None:
+        return
+    try:
+        RecomputeConfig.parse(name)
+    except ConfigError as error:
+        raise ValueError(
+            f"{error}; or what users run today: {', '.join(BASELINES)}, {LAYER_SAC}N"
+        ) from None
+
+
 def estimate(
     shape: Shape,
     presets: Sequence[str] = ("none", "full", "attn", "matmuls", "megatron-selective"),
@@ -231,6 +245,8 @@ def estimate(
         )
     if not presets and not plans:
         raise ValueError("no presets to estimate; name at least one (e.g. none,full)")
+    for preset in presets:
+        _check_preset(preset)
     settings = allocator or AllocatorSettings()
     rank_shape = shape.per_rank(tp, ep)
     measured = ep == 1

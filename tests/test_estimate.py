@@ -16,7 +16,7 @@ from actplan.config import RecomputeConfig
 from actplan.measure import AllocatorSettings
 from actplan.models.shape import Shape, load_shape, shape_from_hf_config, shape_names
 from actplan.planning._rank_step import rank_step
-from actplan.planning.estimate import estimate, preset_step
+from actplan.planning.estimate import TrainingSetup, estimate, preset_step
 
 SMALL = Shape(layers=2, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=128, seq=32, batch=2, dtype="fp32")
 SMALL_MOE = Shape(
@@ -194,11 +194,54 @@ def test_adamw_runs_as_the_implementation_named():
     # foreach AdamW allocates temporaries the size of the parameter shards at the optimizer
     # step, fused none: the same state between steps, never more at the peak.
     foreach = rank_step(SMALL, "full", 2, "h100")
-    fused = rank_step(SMALL, "full", 2, "h100", optimizer_impl="fused")
+    fused = rank_step(SMALL, "full", 2, "h100", training=TrainingSetup(optimizer_impl="fused"))
     assert fused.resident_bytes == foreach.resident_bytes
     assert fused.peak_bytes <= foreach.peak_bytes
-    with pytest.raises(ValueError, match="unknown AdamW implementation 'lion'; choose one of foreach"):
-        rank_step(SMALL, "full", 2, "h100", optimizer_impl="lion")
+    with pytest.raises(ValueError, match="unknown optimizer implementation 'lion'; choose one of foreach"):
+        rank_step(SMALL, "full", 2, "h100", training=TrainingSetup(optimizer_impl="lion"))
+
+
+def _fp32_shard_bytes(names_match=lambda name: True, fsdp=2):
+    from actplan.models import build_model
+
+    model = build_model(SMALL.model, "small", **SMALL.model_overrides()).model
+    chosen = [p for name, p in model.named_parameters() if names_match(name)]
+    assert all(p.shape[0] % fsdp == 0 for p in chosen)  # FSDP2 pads no shard at this shape
+    return sum(p.numel() for p in chosen) * 4 // fsdp, len(chosen)
+
+
+def test_the_optimizer_named_holds_the_state_its_step_allocates():
+    # AdamW holds two fp32 moments per parameter shard and a 4-byte step count per tensor;
+    # SGD without momentum holds nothing between steps.
+    adamw = rank_step(SMALL, "full", 2, "h100")
+    sgd = rank_step(SMALL, "full", 2, "h100", training=TrainingSetup(optimizer="SGD"))
+    by_path = rank_step(SMALL, "full", 2, "h100", training=TrainingSetup(optimizer="torch.optim.SGD"))
+    shard_bytes, tensors = _fp32_shard_bytes()
+    assert adamw.resident_bytes - sgd.resident_bytes == 2 * shard_bytes + 4 * tensors
+    assert replace(by_path, seconds=0.0) == replace(sgd, seconds=0.0)
+
+
+def test_frozen_parameters_hold_no_gradient_and_no_optimizer_state():
+    frozen = rank_step(SMALL, "full", 2, "h100", training=TrainingSetup(freeze=r"^embed\."))
+    trained = rank_step(SMALL, "full", 2, "h100")
+    shard_bytes, tensors = _fp32_shard_bytes(lambda name: name.startswith("embed."))
+    assert tensors == 1
+    assert trained.resident_bytes - frozen.resident_bytes == 2 * shard_bytes + 4 * tensors
+    assert frozen.step_peak_bytes < trained.step_peak_bytes  # and no gradient while stepping
+    with pytest.raises(ValueError, match=r"finds no parameter; names look like: embed\.weight"):
+        rank_step(SMALL, "full", 2, "h100", training=TrainingSetup(freeze="lora_"))
+    with pytest.raises(ValueError, match="finds every parameter; nothing would train"):
+        rank_step(SMALL, "full", 2, "h100", training=TrainingSetup(freeze="."))
+
+
+def test_accumulated_micro_batches_keep_the_sharded_gradients_between_them():
+    one = rank_step(SMALL, "full", 2, "h100")
+    two = rank_step(SMALL, "full", 2, "h100", training=TrainingSetup(grad_accum=2))
+    assert two.resident_bytes == one.resident_bytes
+    assert two.activation_bytes == one.activation_bytes  # each micro-batch's own
+    assert two.step_peak_bytes > one.step_peak_bytes  # the 2nd starts with the 1st's gradients
+    # Two micro-batches' work, and the 2nd's gradients added to the sharded ones.
+    assert 2 * one.seconds < two.seconds < 2.5 * one.seconds
 
 
 def test_moe_estimate_routes_tokens_evenly():
@@ -243,6 +286,16 @@ def test_shipped_shapes_load_and_say_where_they_come_from():
         (["--shape", "llama3-8b", "--presets", "fulll"], "what users run today: torch-checkpoint, "
          "titan-op-sac, titan-layer-sac:N"),
         (["--shape", "llama3-8b", "--presets", "titan-layer-sac:0"], "a whole number of 1 or more"),
+        (["--shape", "llama3-8b", "--optimizer", "Lion"], "torch.optim has no 'Lion'; name a torch.optim "
+         "class (ASGD, Adadelta"),
+        (["--shape", "llama3-8b", "--optimizer", "json.JSONDecoder"], "'json.JSONDecoder' is not a "
+         "torch.optim.Optimizer"),
+        (["--shape", "llama3-8b", "--optimizer", "LBFGS", "--optimizer-impl", "fused"], "LBFGS takes no "
+         "such flag"),
+        (["--shape", "llama3-8b", "--grad-accum", "0"], "--grad-accum must be 1 or more"),
+        (["--shape", "llama3-8b", "--freeze", "("], "--freeze '(' is not a regular expression"),
+        (["--shape", "mixtral-8x7b", "--fsdp", "2", "--ep", "2", "--grad-accum", "2"], "need the measured "
+         "path, which expert parallelism does not run on yet"),
     ],
 )  # fmt: skip
 def test_bad_input_is_one_line_naming_the_problem(argv, message, capsys):
@@ -280,12 +333,88 @@ QWEN3_MOE_CONFIG = {
 def test_a_hugging_face_config_maps_onto_the_shape_it_describes(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(QWEN3_MOE_CONFIG))
     shape = shape_from_hf_config(tmp_path, seq=4096)  # a folder holding config.json
-    assert shape == replace(load_shape("qwen3-30b-a3b", seq=4096), name="qwen3_moe")
+    expected = replace(load_shape("qwen3-30b-a3b", seq=4096), name="qwen3_moe")
+    assert shape == replace(expected, hf_config=str(tmp_path / "config.json"))
     llama = tmp_path / "llama.json"
     llama.write_text(json.dumps({"model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32,
                                  "num_attention_heads": 32, "num_key_value_heads": 8,
                                  "intermediate_size": 14336, "vocab_size": 128256}))  # fmt: skip
-    assert shape_from_hf_config(llama) == replace(load_shape("llama3-8b"), name="llama")
+    assert shape_from_hf_config(llama) == replace(load_shape("llama3-8b"), name="llama", hf_config=str(llama))
+
+
+def _tiny_hf_config(tmp_path, **fields):
+    config = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 128,
+              "max_position_embeddings": 64, "tie_word_embeddings": False, **fields}  # fmt: skip
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    return path
+
+
+@pytest.mark.parametrize("fsdp,tp,preset", [(2, 1, "none"), (2, 1, "full"), (1, 2, "matmuls")])
+def test_a_hugging_face_config_steps_transformers_own_class_fake_as_real(tmp_path, fsdp, tp, preset):
+    # The measured step builds the class the config names (its norms, RoPE, attention and loss
+    # code), parallelized as actplan.parallelize does for it, and the fake step measures what
+    # the same step measures on real tensors.
+    pytest.importorskip("transformers")
+    shape = shape_from_hf_config(_tiny_hf_config(tmp_path), seq=32, batch=2, dtype="fp32")
+    fake = rank_step(shape, preset, fsdp, "h100", tp=tp)
+    real = rank_step(shape, preset, fsdp, "h100", fake=False, tp=tp)
+    assert replace(fake, seconds=0.0) == replace(real, seconds=0.0)
+    assert fake.activation_bytes > 0
+
+
+def test_tied_embeddings_are_one_parameter_in_the_estimate(tmp_path):
+    import transformers
+
+    path = _tiny_hf_config(tmp_path, tie_word_embeddings=True)
+    shape = shape_from_hf_config(path, seq=32, batch=2, dtype="fp32")
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(tmp_path))
+    tied = sum(p.numel() for p in model.parameters())  # the head shares the embedding's weight
+    assert rank_step(shape, "full", 2, "h100").parameters == tied
+    untied = shape_from_hf_config(_tiny_hf_config(tmp_path), seq=32, batch=2, dtype="fp32")
+    assert rank_step(untied, "full", 2, "h100").parameters == tied + 128 * 64
+
+
+def test_a_plan_estimated_for_a_hugging_face_config_applies_to_that_model(tmp_path):
+    # The plans are profiled on the class itself: their units are its layer's, and their
+    # made_for block names its layers, so the plan installs on the user's model, exactly.
+    import transformers
+
+    import actplan
+    from actplan.measure import capture_step, compare_steps
+    from actplan.models import train_step
+
+    path = _tiny_hf_config(tmp_path, num_hidden_layers=4)
+    shape = shape_from_hf_config(path, seq=32, batch=2, dtype="fp32")
+    result = estimate(shape, ("none",), fsdp=2, plans=True)
+    assert "code measured: transformers' own class for" in " ".join(result.notes)
+    texts = [row.plan_yaml for row in result.plans]
+    plans = [RecomputeConfig.from_yaml(text) for text in texts]
+    assert any(plan.mode != "none" for plan in plans)
+    config = transformers.AutoConfig.from_pretrained(tmp_path, use_cache=False)
+    ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "labels": ids}
+    for plan in plans:
+        assert plan.made_for.layers == 4 and dict(plan.made_for.layer_classes) == {"LlamaDecoderLayer": "0-3"}
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(config)
+        candidate = transformers.AutoModelForCausalLM.from_config(config)
+        candidate.load_state_dict(model.state_dict())
+        actplan.apply(candidate, plan)
+        report = compare_steps(
+            capture_step(model, train_step(model, batch, seed=0)),
+            capture_step(candidate, train_step(candidate, batch, seed=0)),
+        )
+        assert report.ok, report
+
+
+def test_a_number_a_hugging_face_config_cannot_take_is_refused(tmp_path):
+    pytest.importorskip("transformers")
+    shape = shape_from_hf_config(_tiny_hf_config(tmp_path), seq=32, batch=2, dtype="fp32")
+    moe = replace(shape, model="moe", experts=4, top_k=2, expert_ffn=32, shared_ffn=0, first_k_dense=1)
+    with pytest.raises(ValueError, match=r"LlamaConfig has no num_local_experts, num_experts_per_tok, "):
+        rank_step(moe, "none", 2, "h100")
 
 
 @pytest.mark.parametrize(
@@ -491,7 +620,8 @@ DEEPSEEK_V3_CONFIG = {
 def test_a_deepseek_v3_config_maps_onto_the_shipped_shape(tmp_path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(DEEPSEEK_V3_CONFIG))
-    assert shape_from_hf_config(path) == replace(load_shape("deepseek-v3"), name="deepseek_v3")
+    expected = replace(load_shape("deepseek-v3"), name="deepseek_v3", hf_config=str(path))
+    assert shape_from_hf_config(path) == expected
     # transformers writes head_dim = qk_rope_head_dim; it does not size latent attention's heads
     path.write_text(json.dumps({**DEEPSEEK_V3_CONFIG, "head_dim": 64}))
     assert shape_from_hf_config(path).head_dim is None

@@ -3,7 +3,7 @@ the estimate and the benches can set them next to actplan's plans: whole-layer
 ``torch.utils.checkpoint``, torchtitan's op-level selective checkpointing, re-stated from its
 documented rule (save attention, the reduce-scatter and all-to-all collectives, ``max``, and
 every other matmul), and torchtitan's layer-level selective checkpointing (every N-th layer
-whole). Imports torch and ``_install.apply``.
+whole). Imports torch, ``config`` and ``_install.apply``.
 """
 
 from __future__ import annotations
@@ -16,12 +16,14 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from actplan._install.apply import find_layers
+from actplan.config import ConfigError, RecomputeConfig
 
 __all__ = [
     "ATTENTION_KERNELS",
     "BASELINES",
     "TITAN_SAVE_OPS",
     "baseline",
+    "check_name",
     "checkpoint_every_layer",
     "titan_layer_sac",
     "titan_op_sac",
@@ -144,3 +146,14 @@ def baseline(name: str) -> Callable[[nn.Module], str] | None:
             "1 or more (titan-layer-sac:2 checkpoints every 2nd layer)"
         )
     return lambda model: titan_layer_sac(model, int(every))
+
+
+def check_name(name: str) -> None:
+    """Refuses a name that is neither a baseline, nor a preset, nor a config file, naming all
+    three kinds (the estimate checks its presets so before any work)."""
+    if baseline(name) is not None:
+        return
+    try:
+        RecomputeConfig.parse(name)
+    except ConfigError as error:
+        raise ValueError(f"{error}; or what users run today: {', '.join(BASELINES)}, {LAYER_SAC}N") from None

@@ -47,6 +47,7 @@ def shape_from_args(args: argparse.Namespace):
 
 def estimate(args: argparse.Namespace, console: Console) -> int:
     from actplan.measure import AllocatorSettings, settings_from_env
+    from actplan.planning.estimate import TrainingSetup
     from actplan.planning.estimate import estimate as run_estimate
 
     shape = shape_from_args(args)
@@ -69,7 +70,7 @@ def estimate(args: argparse.Namespace, console: Console) -> int:
         budget_bytes=budget,
         plans=args.plan or bool(args.out),
         allocator=allocator,
-        optimizer_impl=args.optimizer_impl,
+        training=TrainingSetup(args.optimizer, args.optimizer_impl, args.grad_accum, args.freeze),
         progress=progress,
     )
     console.print(estimate_table(result))

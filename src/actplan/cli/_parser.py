@@ -128,11 +128,31 @@ def _add_estimate(sub) -> None:
         "(torchtitan's layer-level one: every N-th layer whole)",
     )
     parser.add_argument(
+        "--optimizer",
+        default="AdamW",
+        help="the optimizer stepped: a torch.optim class (AdamW, SGD, Adafactor, ...) or an import "
+        "path (package.module.Class); its state is what its step allocates",
+    )
+    parser.add_argument(
         "--optimizer-impl",
         default="foreach",
         choices=("foreach", "fused", "for-loop"),
-        help="AdamW's implementation: foreach (torch's default on a GPU) allocates temporaries the "
-        "size of the parameter shards at the optimizer step, fused (torchtitan's default) none",
+        help="the optimizer's implementation: foreach (torch's default on a GPU) allocates "
+        "temporaries the size of the parameter shards at the step, fused (torchtitan's default) none",
+    )
+    parser.add_argument(
+        "--grad-accum",
+        type=int,
+        default=1,
+        metavar="N",
+        help="micro-batches per optimizer step (each of --batch sequences); the sharded gradients "
+        "stay alive between them",
+    )
+    parser.add_argument(
+        "--freeze",
+        metavar="REGEX",
+        help="freeze the parameters whose names this finds (no gradient, no optimizer state), "
+        "e.g. 'embed|norm'",
     )
     parser.add_argument(
         "--alloc-conf",

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from actplan.models import dense, moe, mtp, sparse
+from actplan.models.shape import Shape, hf_config_values
 
 
 def loss_of(output: Any) -> torch.Tensor:
@@ -118,6 +119,19 @@ def build_model(name: str = "dense", size: str = "small", **overrides) -> ModelB
         make_batch=functools.partial(module.make_batch, config),
         description=f"{name} {size}: {_describe(name, config)}",
     )
+
+
+def build_for_shape(shape: Shape) -> ModelBundle:
+    """The model a real-scale estimate steps for ``shape``, in the current default dtype and
+    device: transformers' own class when the shape came from a ``config.json`` (its code: how
+    its norms cast, its RoPE, its attention, its loss), else the reference model."""
+    if shape.hf_config is None:
+        return build_model(shape.model, "small", **shape.model_overrides())
+    from actplan.models.hf import config_model
+
+    values, added = hf_config_values(shape)
+    model, make_batch, description = config_model(values, shape.seq, shape.batch, added)
+    return ModelBundle("hf-config", "custom", model, make_batch, f"{description} ({shape.hf_config})")
 
 
 def load_model(spec: str, size: str = "small") -> ModelBundle:

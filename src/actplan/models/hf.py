@@ -1,6 +1,7 @@
 """Small random-weight Hugging Face ``transformers`` models of the supported architectures, for
-the tests, ``actplan verify`` and the bench (``--model hf-<kind>``). transformers is imported
-only when one is built (the ``hf`` extra).
+the tests, ``actplan verify`` and the bench (``--model hf-<kind>``), and the model class a
+user's ``config.json`` names, at any size, for the estimate (``config_model``). transformers is
+imported only when one is built (the ``hf`` extra).
 
 Imports nothing from actplan: the layouts that checkpoint these models live in
 ``actplan.integrations.hf``.
@@ -8,7 +9,7 @@ Imports nothing from actplan: the layouts that checkpoint these models live in
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from torch import nn
@@ -105,3 +106,49 @@ def reference_model(kind: str, size: str = "tiny", layers: int | None = None) ->
         return {"input_ids": ids[:, :-1].contiguous(), "labels": ids[:, :-1].contiguous()}
 
     return model.train(), make_batch
+
+
+def config_model(
+    values: dict[str, Any], seq: int, batch: int, added: Sequence[str] = ()
+) -> tuple[nn.Module, Any, str]:
+    """transformers' causal-LM class for a ``config.json``'s ``values``, built in the current
+    default dtype and device (the estimate builds it on ``meta``), with SDPA attention and no
+    KV cache, and a batch maker of ``batch`` x ``seq`` random token ids (labels the same ids:
+    the model shifts them itself). ``added`` names keys set that the file did not have: each
+    must be a field of the model type's config, or it would be silently ignored. Returns the
+    model, the batch maker and a description."""
+    try:
+        import torch
+        import transformers
+    except ImportError:
+        raise ValueError("--hf-config builds the transformers model: pip install 'actplan[hf]'") from None
+    values = dict(values)
+    model_type = values.pop("model_type", None)
+    try:
+        config = transformers.AutoConfig.for_model(model_type, **values)
+    except (ValueError, KeyError) as error:
+        raise ValueError(
+            f"transformers {transformers.__version__} cannot build model_type {model_type!r} ({error}); "
+            "upgrade transformers, or estimate the shape with --model and its numbers"
+        ) from None
+    defaults = transformers.AutoConfig.for_model(model_type)
+    ignored = [key for key in added if not hasattr(defaults, key)]
+    if ignored:
+        raise ValueError(
+            f"{type(config).__name__} has no {', '.join(ignored)}: a number set there would change "
+            "nothing; edit a copy of the config.json instead"
+        )
+    config.use_cache = False
+    try:
+        model = transformers.AutoModelForCausalLM.from_config(
+            config, attn_implementation="sdpa", dtype=torch.get_default_dtype()
+        )
+    except ValueError as error:
+        raise ValueError(f"transformers has no causal-LM class for {model_type!r}: {error}") from None
+    vocab = config.get_text_config().vocab_size
+
+    def make_batch(seed: int) -> dict[str, Any]:
+        ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(seed))
+        return {"input_ids": ids, "labels": ids}
+
+    return model.train(), make_batch, f"transformers {type(model).__name__}"

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import yaml
 
-__all__ = ["DTYPES", "Shape", "load_shape", "shape_from_hf_config", "shape_names"]
+__all__ = ["DTYPES", "Shape", "hf_config_values", "load_shape", "shape_from_hf_config", "shape_names"]
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _MOE_FIELDS = ("experts", "top_k", "expert_ffn", "shared_ffn", "first_k_dense", "router")
@@ -60,6 +60,9 @@ class Shape:
     tp: int = 1
     ep: int = 1
     name: str = "custom"
+    # A Hugging Face config.json: the measured steps build transformers' own model class from
+    # it (with this shape's numbers), not the reference model.
+    hf_config: str | None = None
 
     def check(self) -> None:
         """Raise ``ValueError`` naming the numbers that do not fit together."""
@@ -206,6 +209,13 @@ class Shape:
             text += f"; one rank of tp {self.tp} x ep {self.ep}"
         return text + f"; {self.batch} x {self.seq} tokens per GPU, {self.dtype}"
 
+    @property
+    def code(self) -> str:
+        """Which model code the measured steps run."""
+        if self.hf_config is None:
+            return f"actplan's reference {self.model} decoder"
+        return f"transformers' own class for {self.hf_config}"
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -318,5 +328,33 @@ def shape_from_hf_config(path: str | Path, **overrides: Any) -> Shape:
     else:
         found = {k: v for k, v in found.items() if k not in _MOE_FIELDS}
     name = config.get("_name_or_path") or config.get("model_type") or path.parent.name
-    shape = Shape(model="moe" if moe else "dense", name=str(name), **found)
+    shape = Shape(model="moe" if moe else "dense", name=str(name), hf_config=str(path), **found)
     return _with_overrides(shape, overrides)
+
+
+_RUN_FIELDS = ("seq", "batch", "dtype", "tp", "ep", "name", "hf_config", "model")
+
+
+def hf_config_values(shape: Shape) -> tuple[dict[str, Any], list[str]]:
+    """``shape.hf_config``'s JSON with the shape's own numbers written into it where they differ
+    from the file's (flags, a shallower profiled stack, one tensor-parallel rank's share): what
+    transformers' model class is built from. Returns the values and the keys written that the
+    file did not have (the builder checks its config class takes them, so none is dropped)."""
+    if shape.hf_config is None:
+        raise ValueError("this shape has no Hugging Face config")
+    config = json.loads(Path(shape.hf_config).read_text())
+    text = config.get("text_config")
+    target = text if isinstance(text, dict) else config  # a multimodal config nests the decoder
+    base = shape_from_hf_config(shape.hf_config)
+    added = []
+    for item in fields(Shape):
+        name = item.name
+        value = getattr(shape, name)
+        if name in _RUN_FIELDS or value == getattr(base, name):
+            continue
+        keys = _HF_KEYS[name]
+        key = next((k for k in keys if k in target), keys[0])
+        if key not in target:
+            added.append(key)
+        target[key] = value
+    return config, added

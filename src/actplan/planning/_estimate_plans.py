@@ -14,11 +14,12 @@ import torch
 
 from actplan.config import RecomputeConfig
 from actplan.measure import FakeRun
-from actplan.models import build_model
+from actplan.models import build_for_shape
 from actplan.models.shape import DTYPES, Shape
-from actplan.planning.choose import config_for
+from actplan.planning.choose import config_for, made_for
 from actplan.planning.planner import minimum_peak, none_peak, solve
 from actplan.planning.profile import ModelProfile, profile_model
+from actplan.sizes import human_bytes
 
 __all__ = ["Planner", "deepened", "default_dtype", "plans_for"]
 
@@ -84,11 +85,15 @@ class Planner:
     problem: Any
     budgets: list[int]
     minimum: int  # the least requested bytes any plan peaks at
+    made_for: dict[str, Any]  # the whole model's, without the budget
 
-    def plan(self, budget: int) -> tuple[RecomputeConfig, float, float]:
+    def plan(self, budget: int, gpu_budget: int) -> tuple[RecomputeConfig, float, float]:
+        """The plan for ``budget`` requested bytes, its ``made_for`` block naming the GPU memory
+        ``gpu_budget`` it is meant to fit."""
         solution = solve(self.problem, budget)  # BudgetError names the feasible range
         ratio = solution.predicted_seconds / self.problem.base_seconds
-        return config_for(self.profile, solution.choices), solution.predicted_peak_bytes, ratio
+        header = {**self.made_for, "budget": human_bytes(gpu_budget), "budget_bytes": gpu_budget}
+        return config_for(self.profile, solution.choices, header), solution.predicted_peak_bytes, ratio
 
 
 def plans_for(
@@ -101,7 +106,7 @@ def plans_for(
     # whole-model steps are what a profile spends most on. The plans' own steps check it.
     shallow = replace(shape, layers=min(shape.layers, (shape.first_k_dense or 0) + _PROFILE_DEPTH))
     with default_dtype(DTYPES[shape.dtype]), FakeRun() as fake:
-        bundle = build_model(shallow.model, "small", **shallow.model_overrides())
+        bundle = build_for_shape(shallow)
         profile = profile_model(
             bundle,
             spec=shape.name,
@@ -110,6 +115,9 @@ def plans_for(
             progress=lambda event: say(f"profiling on fake tensors: {event.stage}"),
         )
     profile = deepened(profile, shape.layers, base_seconds)
+    with default_dtype(DTYPES[shape.dtype]), torch.device("meta"):
+        whole = build_for_shape(shape)  # the layers and classes the plan will meet
+    header = made_for(whole, shape.hf_config or shape.model, gpu)
     # The measured static terms are the unsharded model's; the planner plans one FSDP rank.
     problem = replace(
         profile.problem(),
@@ -123,4 +131,5 @@ def plans_for(
     shares = (0.25, 0.5, 0.75)
     if low < usable < high:
         high, shares = usable, (1 / 3, 2 / 3, 1.0)
-    return Planner(profile, problem, [int(low + (high - low) * share) for share in shares], int(low))
+    budgets = [int(low + (high - low) * share) for share in shares]
+    return Planner(profile, problem, budgets, int(low), header)

@@ -1,13 +1,15 @@
 """One rank's steady training step at a real shape, as ``actplan estimate`` measures it, and
 what the CUDA caching allocator would reserve for it.
 
-``fsdp_step`` runs the code a user trains with: the reference model built at the shape on
+``step_on_mesh`` runs the code a user trains with: the reference model built at the shape on
 fake tensors, sharded by ``actplan.parallelize`` (FSDP2 with bf16 parameters and fp32
 reductions, as torchtitan trains) over torch's ``fake`` process group at the layout's world
-size, and stepped twice with a real ``torch.optim.AdamW`` (``foreach``, its temporaries
-included). Everything one rank allocates is then measured, not taken from a formula: its
-shard of the fp32 parameters, gradients and AdamW state, FSDP2's all-gather outputs (the
-prefetched layer's included) and unsharded parameters, the unsharded gradients and their fp32
+size, and stepped twice with a real optimizer (``torch.optim.AdamW`` unless the
+``TrainingSetup`` names another; ``foreach``, its temporaries included), over as many
+micro-batches per step as the setup accumulates, with the parameters it freezes frozen.
+Everything one rank allocates is then measured, not taken from a formula: its shard of the
+fp32 parameters, gradients and optimizer state, FSDP2's all-gather outputs (the prefetched
+layer's included) and unsharded parameters, the unsharded gradients and their fp32
 reduce-scatter inputs, the activations and every transient. The memory meter's allocation
 trace (every allocation and free in order) is replayed through the caching-allocator model
 (``measure.replay_allocations``), under the user's allocator settings.
@@ -48,15 +50,15 @@ from actplan.measure import (
     replay_allocations,
     unique_storage_bytes,
 )
-from actplan.models import build_model, loss_of
+from actplan.models import build_for_shape, loss_of
 from actplan.models.shape import DTYPES, Shape
+from actplan.planning._training import DEFAULT_TRAINING, TrainingSetup
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = [
     "CUDA_CONTEXT_BYTES",
-    "OPTIMIZER_IMPLS",
     "RankStep",
     "fake_world",
     "formula_trace",
@@ -67,10 +69,7 @@ __all__ = [
     "step_on_mesh",
 ]
 
-STEPS = 2  # the first step allocates AdamW's state; the second is the steady one
-OPTIMIZER_IMPLS = {"foreach": {"foreach": True}, "fused": {"fused": True}, "for-loop": {"foreach": False}}
-"""AdamW's implementations, by torchtitan's names for them, as ``torch.optim.AdamW`` flags."""
-
+STEPS = 2  # the first step allocates the optimizer's state; the second is the steady one
 MIB = 1 << 20
 CUDA_CONTEXT_BYTES = 500 * MIB
 """Device memory the CUDA context holds outside torch's allocator (driver state and the
@@ -97,8 +96,8 @@ def nccl_bytes(groups: int) -> int:
 class RankStep:
     """What one rank holds in a steady training step (the second), measured on fake tensors."""
 
-    resident_bytes: int  # alive between steps: parameter shards, AdamW state (and what stays)
-    activation_bytes: int  # alive at the end of the forward, above ``resident_bytes``
+    resident_bytes: int  # alive between steps: parameter shards, optimizer state (and what stays)
+    activation_bytes: int  # alive at the end of the (last micro-batch's) forward, above its start
     step_peak_bytes: int  # the steady step's peak above ``resident_bytes``
     peak_bytes: int  # bytes requested at the peak of the run (what tensors hold)
     allocator: AllocatorReport  # the caching allocator's peaks for the same trace
@@ -168,14 +167,14 @@ def rank_step(
     settings: AllocatorSettings | None = None,
     fake: bool = True,
     tp: int = 1,
-    optimizer_impl: str = "foreach",
+    training: TrainingSetup = DEFAULT_TRAINING,
 ) -> RankStep:
     """Rank 0 of FSDP over ``fsdp`` ranks, times tensor parallelism (with sequence
     parallelism) over ``tp``, on torch's fake process group: ``step_on_mesh`` there. ``fake=False``
     runs the same on real tensors (the tests compare them)."""
-    _check_optimizer_impl(optimizer_impl)  # before the process group starts
+    training.check()  # before the process group starts
     with fake_world(fsdp * tp):
-        return step_on_mesh(shape, preset, layout_mesh(fsdp, tp), gpu, settings, fake, optimizer_impl)
+        return step_on_mesh(shape, preset, layout_mesh(fsdp, tp), gpu, settings, fake, training)
 
 
 def layout_mesh(fsdp: int, tp: int) -> DeviceMesh:
@@ -197,39 +196,45 @@ def step_on_mesh(
     gpu: str,
     settings: AllocatorSettings | None = None,
     fake: bool = True,
-    optimizer_impl: str = "foreach",
+    training: TrainingSetup = DEFAULT_TRAINING,
 ) -> RankStep:
     """This rank of ``mesh`` training ``shape`` (the whole model: the layout shards it) under
     ``preset`` (an actplan preset or config, or one of ``BASELINES``): see the module doc. Runs
     on fake tensors, or with ``fake=False`` on real ones (the CPU's; the tests run it so on a
-    real gloo group, too). ``optimizer_impl`` is AdamW's implementation (``OPTIMIZER_IMPLS``):
-    ``foreach``, torch's default for CUDA tensors, allocates temporaries the size of the
-    parameter shards at the step; ``fused`` (torchtitan's default since February 2025) none."""
+    real gloo group, too). ``training`` is the optimizer, its implementation, the micro-batches
+    per step and the frozen parameters (``TrainingSetup``): AdamW's ``foreach``, torch's default
+    for CUDA tensors, allocates temporaries the size of the parameter shards at the step;
+    ``fused`` (torchtitan's default since February 2025) none."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    _check_optimizer_impl(optimizer_impl)
+    training.check()
     names = mesh.mesh_dim_names or ()
     tp = mesh["tp"].size() if "tp" in names else 1
     policy = MixedPrecisionPolicy(param_dtype=DTYPES[shape.dtype], reduce_dtype=torch.float32)
     device = FakeRun.device.type
+    # The reference model trains its head loss parallel under TP, as torchtitan does; a
+    # transformers class keeps the plan actplan.parallelize gives it (logits gathered), since
+    # its own loss is not written for sharded logits.
+    loss_parallel = tp > 1 and shape.hf_config is None
     loss_context = contextlib.nullcontext
-    if tp > 1:
+    if loss_parallel:
         from torch.distributed.tensor.parallel import loss_parallel as loss_context
     # Tensor parallelism cannot be applied inside a fake mode: the model is built and
     # parallelized on the meta device, then given storage.
     with torch.device("meta"):
         # fp32 parameters, cast to the compute dtype for each layer's forward by FSDP2.
-        bundle = build_model(shape.model, "small", **shape.model_overrides())
+        bundle = build_for_shape(shape)
     model = bundle.model
     parameters = sum(p.numel() for p in model.parameters())
-    options = {} if tp == 1 else {"tp_plan": _loss_parallel_plan(model, tp)}
+    training.apply_freeze(model)  # before sharding, as a user freezes a LoRA base
+    options = {"tp_plan": _loss_parallel_plan(model, tp)} if loss_parallel else {}
     parallelize(model, mesh, install(model, preset), mp_policy=policy, **options)
     with FakeRun(materialize_meta=True) if fake else contextlib.nullcontext(), warnings.catch_warnings():
         # FSDP2 warns that the root returns a view (its hook would miss an in-place op on
         # it); the step here does none, and the warning would only puzzle a user.
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
         model.to_empty(device=device)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, **OPTIMIZER_IMPLS[optimizer_impl])
+        optimizer = training.make_optimizer(model.parameters())
         batch = bundle.batch(0, device)
         resident = _resident_events(model)
         meter = MemoryMeter(model, optimizer, trace_allocations=True, follow_fsdp=True)
@@ -237,12 +242,19 @@ def step_on_mesh(
         with meter, _collected_between_steps():
             for step in range(STEPS):
                 steady = step == STEPS - 1
+                _retire_collectives(mesh)
                 start = meter.mark(f"step{step}").live_bytes
-                with clock if steady else contextlib.nullcontext(), loss_context():
-                    loss = loss_of(model(**batch))
-                    forward_end = meter.mark(f"forward{step}").live_bytes
-                    loss.backward()
-                del loss
+                for micro in range(training.grad_accum):
+                    # Each micro-batch's gradients are reduce-scattered and added to the sharded
+                    # ones (FSDP2's default): what it holds at its start is the last one's.
+                    _retire_collectives(mesh)
+                    micro_start = meter.live_bytes
+                    with clock if steady else contextlib.nullcontext(), loss_context():
+                        loss = loss_of(model(**batch)) / training.grad_accum
+                        _retire_collectives(mesh)
+                        forward_end = meter.mark(f"forward{step}.{micro}").live_bytes
+                        loss.backward()
+                    del loss
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
                 gc.collect()
@@ -252,7 +264,7 @@ def step_on_mesh(
     held_before = sum(nbytes for _, _, nbytes, _ in resident)
     return RankStep(
         resident_bytes=held_before + start,
-        activation_bytes=forward_end - start,
+        activation_bytes=forward_end - micro_start,
         step_peak_bytes=_peak_after(events, steady_start, start) - start,
         peak_bytes=held_before + report.peak_live_bytes,
         allocator=replay_allocations(resident + events, settings),
@@ -262,11 +274,13 @@ def step_on_mesh(
     )
 
 
-def _check_optimizer_impl(optimizer_impl: str) -> None:
-    if optimizer_impl not in OPTIMIZER_IMPLS:
-        raise ValueError(
-            f"unknown AdamW implementation {optimizer_impl!r}; choose one of {', '.join(OPTIMIZER_IMPLS)}"
-        )
+def _retire_collectives(mesh: DeviceMesh) -> None:
+    """A barrier on each of the mesh's process groups before a figure is read: on a real
+    backend (the tests' gloo ranks) a collective's buffer the program has dropped can stay
+    referenced by the backend's worker thread for a moment after the collective completes, so
+    a figure would depend on thread timing. The fake process group's barrier returns at once."""
+    for group in mesh.get_all_groups():
+        dist.barrier(group=group)
 
 
 @contextlib.contextmanager

@@ -38,14 +38,14 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from torch import nn
 
 from actplan._install.apply import apply, find_layers
-from actplan._install.baselines import BASELINES, LAYER_SAC, baseline
-from actplan.config import ConfigError, RecomputeConfig
+from actplan._install.baselines import check_name
+from actplan.config import RecomputeConfig
 from actplan.measure import (
     AllocatorSettings,
     FakeRun,
@@ -64,10 +64,11 @@ from actplan.planning._rank_step import (
     nccl_bytes,
     rank_step,
 )
+from actplan.planning._training import DEFAULT_TRAINING, TrainingSetup
 from actplan.planning.planner import BudgetError
 from actplan.sizes import human_bytes
 
-__all__ = ["EstimateResult", "EstimateRow", "estimate", "preset_step"]
+__all__ = ["EstimateResult", "EstimateRow", "TrainingSetup", "estimate", "preset_step"]
 
 
 @dataclass
@@ -197,19 +198,6 @@ def preset_step(
     return row, sizes
 
 
-def _check_preset(name: str) -> None:
-    """Refuses, before any work, a name that is neither a baseline, nor a preset, nor a config
-    file, naming all three kinds."""
-    if baseline(name) is not None:
-        return
-    try:
-        RecomputeConfig.parse(name)
-    except ConfigError as error:
-        raise ValueError(
-            f"{error}; or what users run today: {', '.join(BASELINES)}, {LAYER_SAC}N"
-        ) from None
-
-
 def estimate(
     shape: Shape,
     presets: Sequence[str] = ("none", "full", "attn", "matmuls", "megatron-selective"),
@@ -221,7 +209,7 @@ def estimate(
     budget_bytes: int | None = None,
     plans: bool = False,
     allocator: AllocatorSettings | None = None,
-    optimizer_impl: str = "foreach",
+    training: TrainingSetup = DEFAULT_TRAINING,
     progress: Callable[[str], None] | None = None,
 ) -> EstimateResult:
     """Each preset's memory per GPU (requested, allocated and reserved) and estimated step
@@ -229,7 +217,8 @@ def estimate(
     ``tp``, experts over ``ep``) under the caching allocator's ``allocator`` settings
     (torch's defaults when ``None``); with ``plans``, the planner's plan for ``budget_bytes``
     (or three budgets across the feasible range), each stepped like a preset;
-    ``optimizer_impl`` is AdamW's (``_rank_step.OPTIMIZER_IMPLS``). See the module doc."""
+    ``training`` is the optimizer, the micro-batches per step and the frozen parameters
+    (``TrainingSetup``; AdamW, one micro-batch, nothing frozen by default). See the module doc."""
     accel = accelerator(gpu)
     if fsdp < 1:
         raise ValueError(f"--fsdp must be 1 or more ranks, got {fsdp}")
@@ -243,13 +232,22 @@ def estimate(
             f"a budget of {human_bytes(budget_bytes)} is more than the {accel.name}'s "
             f"{human_bytes(accel.memory_bytes)}; give a budget within it, or another --gpu"
         )
+    training.check()
+    if ep > 1 and training != TrainingSetup(optimizer_impl=training.optimizer_impl):
+        raise ValueError(
+            "--optimizer, --grad-accum and --freeze need the measured path, which expert "
+            "parallelism does not run on yet (its static memory is AdamW's formula); leave them "
+            "out with --ep, or estimate without --ep"
+        )
     if not presets and not plans:
         raise ValueError("no presets to estimate; name at least one (e.g. none,full)")
     for preset in presets:
-        _check_preset(preset)
+        check_name(preset)
     settings = allocator or AllocatorSettings()
     rank_shape = shape.per_rank(tp, ep)
     measured = ep == 1
+    if not measured:  # the formula path steps the reference layers, whatever code was named
+        rank_shape = replace(rank_shape, hf_config=None)
     groups = sum(degree > 1 for degree in (fsdp, tp, ep))
     outside = CUDA_CONTEXT_BYTES + nccl_bytes(groups)
     say = progress or (lambda line: None)
@@ -262,7 +260,7 @@ def estimate(
         name = preset if isinstance(preset, str) else "plan"
         if measured:
             say(f"stepping {name} through parallelize over {fsdp * tp} fake ranks")
-            ran = rank_step(shape, preset, fsdp, accel.name, settings, tp=tp, optimizer_impl=optimizer_impl)
+            ran = rank_step(shape, preset, fsdp, accel.name, settings, tp=tp, training=training)
             static = ran.resident_bytes
             row = EstimateRow(
                 preset=name,
@@ -294,8 +292,11 @@ def estimate(
     refused: list[str] = []
     if plans:
         none_row = next((r for r in rows if r.preset == "none"), None) or step("none")
+        # One TP rank's share is profiled; a transformers class under TP gathers its logits
+        # whole on every rank (its loss is not loss parallel), so its profile keeps the vocabulary.
+        profiled = replace(rank_shape, vocab=shape.vocab) if measured and shape.hf_config else rank_shape
         planner = plans_for(
-            rank_shape, accel.name, static + gathered, accel.memory_bytes - outside, none_row.seconds, say
+            profiled, accel.name, static + gathered, accel.memory_bytes - outside, none_row.seconds, say
         )
         # A budget is what the GPU must hold: reserved plus what sits outside the allocator. The
         # default ones are the planner's (requested bytes) plus both, the reserve as `none`'s.
@@ -319,17 +320,17 @@ def estimate(
         f"times are estimates from a roofline clock for {accel.name} (vendor peaks, no kernel "
         "efficiency, no communication); memory is measured on fake tensors",
         f"reserved: the step's allocations replayed through a model of torch's CUDA caching "
-        f"allocator ({settings.describe()}; set --alloc-conf or PYTORCH_ALLOC_CONF), on one stream; "
+        f"allocator ({settings.describe()}; set --alloc-conf or PYTORCH_ALLOC_CONF), a pool per stream; "
         f"fits: reserved + {human_bytes(outside)} outside the allocator (CUDA context, NCCL "
         f"buffers of {groups} communicator(s)) within "
         + (human_bytes(budget_bytes) if budget_bytes is not None else f"the {accel.name}'s memory"),
     ]
     if measured:
         layout = f"FSDP2 over {fsdp}" + (f" x TP {tp} with sequence parallelism" if tp > 1 else "")
-        method = f"{layout} on a fake process group, AdamW, steady (2nd) step"
+        method = f"{layout} on a fake process group, {training.optimizer}, steady (2nd) step"
         notes.append(
             f"measured through actplan.parallelize: {layout} over {fsdp * tp} fake rank(s), bf16 "
-            f"parameters and fp32 reductions, two steps of AdamW ({optimizer_impl}); static = what stays "
+            f"parameters and fp32 reductions, two steps of {training.describe()}; static = what stays "
             "between steps"
         )
     else:
@@ -350,6 +351,10 @@ def estimate(
             )
     if ep > 1:
         notes.append(f"experts over {ep} ranks: routing assumed balanced")
+    notes.append(
+        f"code measured: {shape.code if measured else rank_shape.code}"
+        + ("; plans profiled on one tensor-parallel rank's share of it" if plans and tp > 1 else "")
+    )
     if plans:
         notes.append(
             "plans: profiled and planned on fake tensors with the roofline clock (offload is not "
@@ -414,7 +419,7 @@ def _plan_within(planner, target, outside, step, say, refused) -> EstimateRow | 
             # The lowered budget is below every plan: the plan that holds least is the last try.
             allowed = planner.minimum
         try:
-            config, predicted_peak, predicted_ratio = planner.plan(allowed)
+            config, predicted_peak, predicted_ratio = planner.plan(allowed, target)
         except BudgetError as err:
             refused.append(str(err))  # the feasible range, said in the notes
             break

@@ -172,3 +172,39 @@ def test_cli_plan_sweep_prints_the_front_without_running(dense, cache, tmp_path,
         main(["plan", "--model", "dense", "--sweep", "--budget", "50%"])  # one or the other
     assert main([*args, "--out", str(tmp_path / "x.yaml")]) == 2
     assert "--sweep writes no plan" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_a_reserved_budget_bounds_what_the_caching_allocator_reserves(dense, cache, tmp_path):
+    # On a GPU a budget bounds the allocator's reserved segments (what a run runs out of), not
+    # the bytes tensors request: the plan is stepped, its allocation trace replayed through the
+    # allocator model, and a plan whose reserve does not fit is not offered as fitting.
+    from actplan.measure import AllocatorSettings
+    from actplan.planning._reserved import modelled_reserved
+    from actplan.planning.planner import solve
+
+    bundle, profile = dense
+    lowest, _ = minimum_peak(profile.problem())
+    least = config_for(profile, solve(profile.problem(), lowest).choices)
+    least_reserved = modelled_reserved(bundle, least, CPU, AllocatorSettings()).peak_reserved_bytes
+    assert least_reserved > lowest  # segments round the requests up
+
+    def planned(budget, budget_of):
+        out = tmp_path / f"{budget_of}-{budget}.yaml"
+        result = plan_under_budget(bundle, "model_factories:dense_long", budget, CPU, out=out, plot=None,
+                                   run=False, cache_dir=cache, min_bytes=0, budget_of=budget_of)  # fmt: skip
+        return result, RecomputeConfig.from_file(out)
+
+    between = (lowest + least_reserved) // 2  # the requested bytes fit, the reserve cannot
+    result, written = planned(between, "requested")
+    assert result.solution["predicted_peak_bytes"] <= between
+    assert written.made_for.budget_of == "requested"
+    assert result.solution["modelled_reserved_peak_bytes"] is None
+    result, written = planned(between, "reserved")
+    assert result.solution["modelled_reserved_peak_bytes"] > between
+    assert any("once the allocator's reserve is counted" in note for note in result.notes)
+    roomy = int(least_reserved * 1.5)
+    result, written = planned(roomy, "reserved")
+    assert result.solution["modelled_reserved_peak_bytes"] <= roomy
+    assert written.made_for.budget_of == "reserved"
+    assert any("the budget bounds the caching allocator's reserved peak" in note for note in result.notes)

@@ -673,3 +673,21 @@ def test_a_budget_no_plan_reaches_states_the_feasible_range(tmp_path, capsys):
     printed = " ".join(capsys.readouterr().out.split())
     assert "no plan: no plan fits a budget of 2.0 MiB: the CUDA context and NCCL's buffers" in printed
     assert "no plan written" in printed and not plan.exists()
+
+
+@pytest.mark.parametrize("optimizer,impl", [("AdamW", "foreach"), ("AdamW", "fused"), ("Adam", "for-loop"),
+                                            ("SGD", "foreach")])  # fmt: skip
+@pytest.mark.parametrize("fsdp,tp", [(4, 1), (2, 2)], ids=["fsdp4", "fsdp2-tp2"])
+def test_an_elementwise_optimizer_on_local_shards_holds_what_it_holds_on_dtensors(
+    monkeypatch, optimizer, impl, fsdp, tp
+):
+    # The estimate steps AdamW, Adam and SGD on each rank's local shards (DTensor's sharding
+    # propagation is a third of an estimated step's time): every figure is the one stepping the
+    # DTensor parameters gives.
+    from actplan.planning import _training
+
+    setup = TrainingSetup(optimizer=optimizer, optimizer_impl=impl)
+    local = rank_step(SMALL, "full", fsdp, "h100", tp=tp, training=setup)
+    monkeypatch.setattr(_training, "ELEMENTWISE", ())
+    on_dtensors = rank_step(SMALL, "full", fsdp, "h100", tp=tp, training=setup)
+    assert local == on_dtensors

@@ -54,8 +54,9 @@ def test_the_whole_suite_runs_on_cpu_and_reports_cuda_parts_as_skipped(tmp_path,
         assert markdown.startswith("# GPU suite") and "deterministic algorithms: " in markdown
         assert all(c["ok"] for c in report["checks"]), (name, report["checks"])
         # Every report says whether deterministic algorithms were on: everywhere but the
-        # compiled stage, whose graphs would compile twice.
-        assert report["deterministic"]["on"] is (name != "compiled"), name
+        # compiled stage, whose graphs would compile twice, and the allocator stage, which only
+        # measures memory.
+        assert report["deterministic"]["on"] is (name not in ("compiled", "allocator")), name
     # What needs CUDA is named as skipped, never silently absent.
     skipped = {s["what"] for name in gpu_suite.STAGE_ORDER for s in by_stage[name]["report"]["skipped"]}
     assert {"memory meter against max_memory_allocated", "Inductor", "pinned copy bandwidth"} <= skipped
@@ -82,6 +83,11 @@ def test_the_whole_suite_runs_on_cpu_and_reports_cuda_parts_as_skipped(tmp_path,
     assert all(r["parity_ok"] for r in compiled["rows"])
     plan = by_stage["plan"]["report"]
     assert len(plan["plans"]) == 2 and all("predicted_peak_bytes" in p["solution"] for p in plan["plans"])
+    # The allocator model's predictions for every case (measured figures need CUDA).
+    allocator = by_stage["allocator"]["report"]["rows"]
+    assert len(allocator) == 10
+    assert all(r["predicted_reserved_bytes"] >= r["predicted_allocated_bytes"] >= r["meter_peak_bytes"] > 0
+               for r in allocator)  # fmt: skip
     peers = by_stage["peers"]["report"]["models"]
     assert set(peers) == set(gpu_suite.SETTINGS["tiny"].peers_models)
     assert all(entry["at_same_peak"] for entry in peers.values())
@@ -188,7 +194,7 @@ def test_a_spent_budget_leaves_later_stages_not_run(tmp_path):
     ("args", "message"),
     [
         (["--scale", "gpu", "--device", "cpu"], "rehearse with --scale tiny"),
-        (["--stages", "offload,warp"], "unknown warp; stages: tests, offload"),
+        (["--stages", "offload,warp"], "unknown warp; stages: tests, allocator, offload"),
         (["--caps", "plan=fast"], "write stage=seconds"),
         (["--caps", "nap=3"], "names stage 'nap'"),
         (["--budget", "0", "--device", "cpu"], "positive number of seconds"),

@@ -20,7 +20,7 @@ from bench.gpu.models import SCALES, ModelSpec
 
 REPO = Path(__file__).resolve().parents[2]
 
-STAGE_ORDER = ("tests", "offload", "bench_dense", "compiled", "plan", "bench_moe", "peers")
+STAGE_ORDER = ("tests", "allocator", "offload", "bench_dense", "compiled", "plan", "bench_moe", "peers")
 
 DEVICE_RUN_S = 600
 """One device command: at most 10 minutes, the machine's start (about 2 minutes) included."""
@@ -106,21 +106,23 @@ SETTINGS: dict[str, Settings] = {
     "gpu": Settings(
         caps={
             "tests": 80,
+            "allocator": 50,
             "offload": 40,
             "bench_dense": 40,
             "compiled": 85,
             "plan": 65,
             "bench_moe": 50,
-            "peers": 60,
+            "peers": 10,
         },
         estimates={
             "tests": 70,
+            "allocator": 40,  # 13 cases of two steps from an empty cache, ~3 s each
             "offload": 35,
             "bench_dense": 35,
             "compiled": 75,
             "plan": 55,  # 45, and the roofline profile of the same model (one clocked step each)
             "bench_moe": 40,
-            "peers": 50,
+            "peers": 5,  # nothing but its report: the peers moved to --extra for the allocator stage
         },
         budget_s=420,
         repeats=3,
@@ -128,14 +130,14 @@ SETTINGS: dict[str, Settings] = {
         offload_repeats=9,
         bandwidth_bytes=1 << 30,
         profile_repeats=3,
-        peers_models=("dense",),
+        peers_models=(),
         compiled_presets=("none", "matmuls"),
         deselected_tests=(COMPILED_PLANS_TEST,),
         # Cut to fit: the fp32 compiled-plans test (one more cold Inductor compile; the compiled
-        # stage checks the same at GPU size), `full` with compiled layers (one more), the MoE
-        # peers (a second profile and ~15 rows).
+        # stage checks the same at GPU size), `full` with compiled layers (one more), the peers
+        # (a profile and ~15 rows per model; the allocator stage took their 50 s).
         extra=Extra(
-            caps={"tests": 35, "compiled": 35, "peers": 90},
+            caps={"tests": 35, "compiled": 35, "peers": 140},
             compiled_presets=("none", "full", "matmuls"),
             peers_models=("dense", "moe"),
         ),
@@ -145,6 +147,7 @@ SETTINGS: dict[str, Settings] = {
     "tiny": Settings(
         caps={
             "tests": 60,
+            "allocator": 90,
             "offload": 90,
             "bench_dense": 120,
             "compiled": 120,
@@ -154,6 +157,7 @@ SETTINGS: dict[str, Settings] = {
         },
         estimates={
             "tests": 15,
+            "allocator": 30,
             "offload": 30,
             "bench_dense": 50,
             "compiled": 35,
@@ -161,7 +165,7 @@ SETTINGS: dict[str, Settings] = {
             "bench_moe": 65,
             "peers": 35,
         },
-        budget_s=810,
+        budget_s=900,
         repeats=2,
         warmup=0,
         offload_repeats=3,

@@ -89,6 +89,7 @@ from bench.gpu.context import (  # noqa: E402
 )
 from bench.gpu.report import StageReport, device_name, fmt_value, json_safe, read_json  # noqa: E402
 from bench.gpu.rows import error_text  # noqa: E402
+from bench.gpu.stages_allocator import stage_allocator  # noqa: E402
 from bench.gpu.stages_measure import BENCH_ROWS as BENCH_ROWS  # noqa: E402  (tests read it here)
 from bench.gpu.stages_measure import (  # noqa: E402
     salvage_tests,
@@ -114,6 +115,7 @@ class Stage:
 
 STAGES: dict[str, Stage] = {
     "tests": Stage("CUDA tests (pytest -m cuda)", stage_tests, salvage_tests),
+    "allocator": Stage("caching-allocator model against the CUDA allocator", stage_allocator),
     "offload": Stage("copy bandwidth and layer-input offload", stage_offload),
     "bench_dense": Stage("bench rows, dense", stage_bench_dense),
     "compiled": Stage("compiled layers (Inductor)", stage_compiled),

@@ -93,6 +93,7 @@ __all__ = [
     "is_traceable_wrapper_subclass",
     "is_traceable_wrapper_subclass_type",
     "layer_compile_flags",
+    "local_shard",
     "modes_below",
     "op_name",
     "op_schema",
@@ -181,6 +182,13 @@ def python_storage_refs() -> int:
     with _disable_current_modes():
         probe_tensor = torch.empty(1, device="cpu")
         return storage_use_count(probe_tensor.untyped_storage()._cdata) - 1
+
+
+def local_shard(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor a DTensor holds on this rank (the same object every call, unlike
+    ``to_local()``, which returns a new alias); any other tensor itself."""
+    local = getattr(tensor, "_local_tensor", None)
+    return tensor if local is None else local
 
 
 def detach_alias(tensor: torch.Tensor) -> torch.Tensor:

@@ -225,6 +225,13 @@ def _add_plan(sub) -> None:
     parser.add_argument("--out", help="where to write the plan (YAML or JSON; default plan.yaml)")
     parser.add_argument("--plot", default="pareto.png", help="Pareto plot (PNG); '' for none")
     parser.add_argument("--no-run", action="store_true", help="solve and write only")
+    parser.add_argument(
+        "--budget-of",
+        choices=("reserved", "requested"),
+        help="what --budget bounds: reserved (the default on CUDA: the caching allocator's segments, "
+        "what a run runs out of, modelled from the plan's allocation trace under PYTORCH_ALLOC_CONF) "
+        "or requested (the default elsewhere: the bytes tensors ask for)",
+    )
 
 
 def _add_verify(sub) -> None:

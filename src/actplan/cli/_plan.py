@@ -117,6 +117,7 @@ def plan(args: argparse.Namespace, console: Console) -> int:
             **options,
             progress=progress,
             sweep_command=f"actplan plan {profile_options(args)} --sweep",
+            budget_of=args.budget_of,
         )
     for note in result.notes:
         console.print(f"[yellow]note:[/] {note}")

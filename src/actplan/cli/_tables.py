@@ -111,10 +111,14 @@ def profile_table(profile) -> Table:
 def plan_table(result) -> Table:
     """``actplan plan``: predicted peak and time, and the measured ones when the plan ran."""
     solution = result.solution
-    table = Table(title=f"plan for {result.model} under {mib(result.budget_bytes)} MiB")
+    reserved = solution.get("modelled_reserved_peak_bytes")
+    bound = "reserved" if reserved is not None else "requested"
+    table = Table(title=f"plan for {result.model} under {mib(result.budget_bytes)} MiB ({bound})")
     for column in ("", "peak MiB", "step time / none"):
         table.add_column(column, justify="left" if not column else "right")
     table.add_row("predicted", mib(solution["predicted_peak_bytes"]), f"{solution['predicted_ratio']:.3f}")
+    if reserved is not None:
+        table.add_row("reserved (modelled)", mib(reserved), "")
     if result.measured is not None:
         measured, error = result.measured, result.prediction_error
         table.add_row(

@@ -9,7 +9,7 @@ Imports only pydantic, the config errors and the selectors' range strings.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
@@ -51,6 +51,10 @@ class MadeFor(BaseModel):
     device: str | None = None
     budget: str | None = None
     budget_bytes: int | None = None
+    # What the budget bounds: "requested" (the bytes tensors ask for), "reserved" (the CUDA
+    # caching allocator's segments, what a run runs out of) or "gpu" (reserved plus the CUDA
+    # context and NCCL's buffers, outside the allocator).
+    budget_of: Literal["requested", "reserved", "gpu"] | None = None
     actplan_version: str | None = None
 
     @field_validator("budget", mode="before")

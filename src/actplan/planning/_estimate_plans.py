@@ -92,7 +92,8 @@ class Planner:
         ``gpu_budget`` it is meant to fit."""
         solution = solve(self.problem, budget)  # BudgetError names the feasible range
         ratio = solution.predicted_seconds / self.problem.base_seconds
-        header = {**self.made_for, "budget": human_bytes(gpu_budget), "budget_bytes": gpu_budget}
+        budget_block = {"budget": human_bytes(gpu_budget), "budget_bytes": gpu_budget, "budget_of": "gpu"}
+        header = {**self.made_for, **budget_block}
         return config_for(self.profile, solution.choices, header), solution.predicted_peak_bytes, ratio
 
 

@@ -48,10 +48,10 @@ from actplan.measure import (
     MemoryMeter,
     RooflineClock,
     replay_allocations,
-    unique_storage_bytes,
 )
 from actplan.models import build_for_shape, loss_of
 from actplan.models.shape import DTYPES, Shape
+from actplan.planning._reserved import resident_events
 from actplan.planning._training import DEFAULT_TRAINING, TrainingSetup
 
 if TYPE_CHECKING:
@@ -121,13 +121,6 @@ def fake_world(world_size: int) -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
-
-
-def _resident_events(model: torch.nn.Module) -> list[tuple[int, int, int, int]]:
-    """Allocations of the storages the model holds before the metered window (its parameter
-    shards and buffers, made when it was sharded), as trace events with ids of their own."""
-    held = unique_storage_bytes([*model.parameters(), *model.buffers()])
-    return [(1, -(index + 1), nbytes, 0) for index, nbytes in enumerate(held.values())]
 
 
 def _peak_after(events: list[tuple[int, int, int, int]], start: int, live: int) -> int:
@@ -236,7 +229,7 @@ def step_on_mesh(
         model.to_empty(device=device)
         optimizer = training.make_optimizer(model.parameters())
         batch = bundle.batch(0, device)
-        resident = _resident_events(model)
+        resident = resident_events(model)
         meter = MemoryMeter(model, optimizer, trace_allocations=True, follow_fsdp=True)
         clock = RooflineClock(gpu)
         with meter, _collected_between_steps():

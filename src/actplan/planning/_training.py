@@ -2,7 +2,8 @@
 by import path, AdamW by default) in which implementation, how many micro-batches accumulate
 into one optimizer step, and which parameters are frozen. Each changes what a rank holds: an
 optimizer's state is what its step allocates, a frozen parameter has no gradient and no state,
-and accumulation keeps the sharded gradients alive across micro-batches. Imports torch.
+and accumulation keeps the sharded gradients alive across micro-batches. Imports torch and
+``_torch_internals``.
 """
 
 from __future__ import annotations
@@ -12,8 +13,11 @@ import inspect
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+
+from actplan._torch_internals import local_shard
 
 __all__ = ["DEFAULT_TRAINING", "OPTIMIZER_IMPLS", "TrainingSetup"]
 
@@ -21,6 +25,37 @@ OPTIMIZER_IMPLS = {"foreach": {"foreach": True}, "fused": {"fused": True}, "for-
 """Optimizer implementations, by torchtitan's names for them, as ``torch.optim`` flags."""
 
 LEARNING_RATE = 1e-4  # any value: it changes no allocation
+
+
+ELEMENTWISE = (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD)
+"""Optimizers whose step is elementwise over each parameter (no reduction across a tensor)."""
+
+
+class _OnLocalShards:
+    """An elementwise optimizer stepping the local shards of DTensor parameters: each step
+    hands it the gradients' local shards, and takes them back after."""
+
+    def __init__(
+        self, cls: type[torch.optim.Optimizer], parameters: list[torch.Tensor], options: dict
+    ) -> None:
+        self.parameters = parameters
+        self.shards = [local_shard(p) for p in parameters]
+        self.inner = cls(self.shards, **options)
+        self.param_groups = self.inner.param_groups  # what the memory meter reads
+        self.state = self.inner.state
+
+    def step(self) -> None:
+        for parameter, shard in zip(self.parameters, self.shards, strict=True):
+            shard.grad = None if parameter.grad is None else local_shard(parameter.grad)
+        self.inner.step()
+        for shard in self.shards:
+            shard.grad = None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if not set_to_none:
+            raise ValueError("the estimate's steps drop their gradients: zero_grad(set_to_none=True)")
+        for parameter in self.parameters:
+            parameter.grad = None
 
 
 def _torch_optimizers() -> list[str]:
@@ -89,15 +124,23 @@ class TrainingSetup:
             )
         return found
 
-    def make_optimizer(self, parameters: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    def make_optimizer(self, parameters: Iterable[torch.nn.Parameter]) -> Any:
         """The optimizer over ``parameters`` that need gradients (frozen ones are left out, as a
-        trainer hands only those it trains), in the named implementation where it takes one."""
+        trainer hands only those it trains), in the named implementation where it takes one.
+
+        An optimizer of ``ELEMENTWISE`` over sharded (DTensor) parameters steps each rank's local
+        shards: every op it runs is elementwise, so the local ops and their bytes are the ones
+        DTensor would run, without DTensor's sharding propagation (about a third of an
+        estimated step's time). Any other optimizer steps the DTensors, as a user's would."""
         cls = self.optimizer_class()
         flags = inspect.signature(cls).parameters
         options = {k: v for k, v in OPTIMIZER_IMPLS[self.optimizer_impl].items() if k in flags}
         if "lr" in flags:
             options["lr"] = LEARNING_RATE
-        return cls([p for p in parameters if p.requires_grad], **options)
+        trained = [p for p in parameters if p.requires_grad]
+        if cls in ELEMENTWISE and any(local_shard(p) is not p for p in trained):
+            return _OnLocalShards(cls, trained, options)
+        return cls(trained, **options)
 
     def apply_freeze(self, model: torch.nn.Module) -> int:
         """Freezes the parameters ``freeze`` finds; returns how many. A pattern that finds none,

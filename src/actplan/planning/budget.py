@@ -25,9 +25,10 @@ import torch
 from actplan._install.apply import apply, plan_for
 from actplan._install.plan import Plan
 from actplan.config import PRESETS, RecomputeConfig
-from actplan.measure import MemoryMeter, interleaved_timing, ratio
+from actplan.measure import AllocatorSettings, MemoryMeter, interleaved_timing, ratio, settings_from_env
 from actplan.models import ModelBundle, train_step
 from actplan.planning._records import ModelProfile
+from actplan.planning._reserved import fit_reserved
 from actplan.planning.cache import get_profile
 from actplan.planning.choose import config_for, made_for, picked
 from actplan.planning.planner import (
@@ -185,13 +186,20 @@ def plan_under_budget(
     bandwidth: float | None = None,
     progress: ProgressCallback | None = None,
     sweep_command: str | None = None,
+    budget_of: str | None = None,
+    allocator: AllocatorSettings | None = None,
 ) -> BudgetPlanResult:
     """Profile (or reuse the cache), solve for ``budget``, write the plan, run and check it.
 
     The written plan's ``made_for`` block records ``spec``, the model's layers, batch shape,
     dtype, ``device``, the budget and the actplan version; a YAML file also lists every layer's
     choice in comments. ``sweep_command``: the command a budget no plan fits points to (default:
-    ``actplan plan`` with ``--model spec``, ``--size`` and ``--sweep``)."""
+    ``actplan plan`` with ``--model spec``, ``--size`` and ``--sweep``).
+
+    ``budget_of`` is what the budget bounds: ``"reserved"`` (the default on CUDA: what the
+    caching allocator reserves, modelled from the plan's own allocation trace under
+    ``allocator``, else the environment's ``PYTORCH_ALLOC_CONF``; see ``_reserved``) or
+    ``"requested"`` (the default elsewhere: the bytes tensors request)."""
     profile, from_cache = get_profile(
         bundle,
         spec,
@@ -207,7 +215,20 @@ def plan_under_budget(
         size = "" if ":" in spec else f" --size {bundle.size}"
         sweep_command = f"actplan plan --model {shlex.quote(spec)}{size} --sweep"
     budget_bytes, solution, notes = _solve_for(profile, budget, sweep_command)
-    header = made_for(bundle, spec, device, budget, budget_bytes)
+    budget_of = budget_of or ("reserved" if device.type == "cuda" else "requested")
+    reserved = None
+    if budget_of == "reserved":
+        settings = allocator or settings_from_env()
+        fit = fit_reserved(bundle, profile, budget_bytes, solution, device, settings)
+        solution, reserved = fit.solution, fit.report.peak_reserved_bytes
+        notes += [
+            f"the budget bounds the caching allocator's reserved peak ({settings.describe()}), "
+            f"modelled from the plan's allocation trace: {human_bytes(reserved)}",
+            *fit.notes,
+        ]
+    elif budget_of != "requested":
+        raise ValueError(f"budget_of {budget_of!r}: choose 'reserved' or 'requested'")
+    header = {**made_for(bundle, spec, device, budget, budget_bytes), "budget_of": budget_of}
     config = _write_plan(bundle, profile, solution, out, header)
     predicted_ratio = solution.predicted_seconds / profile.base_seconds
     measured = error = None
@@ -225,6 +246,7 @@ def plan_under_budget(
             "predicted_seconds": solution.predicted_seconds,
             "predicted_ratio": predicted_ratio,
             "candidates": list(solution.names),
+            "modelled_reserved_peak_bytes": reserved,
         },
         config_path=str(out) if out is not None else None,
         config=config.to_dict(),

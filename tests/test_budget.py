@@ -181,7 +181,7 @@ def test_a_reserved_budget_bounds_what_the_caching_allocator_reserves(dense, cac
     # allocator model, and a plan whose reserve does not fit is not offered as fitting.
     from actplan.measure import AllocatorSettings
     from actplan.planning._reserved import modelled_reserved
-    from actplan.planning.planner import solve
+    from actplan.planning.planner import BudgetError, solve
 
     bundle, profile = dense
     lowest, _ = minimum_peak(profile.problem())
@@ -200,11 +200,16 @@ def test_a_reserved_budget_bounds_what_the_caching_allocator_reserves(dense, cac
     assert result.solution["predicted_peak_bytes"] <= between
     assert written.made_for.budget_of == "requested"
     assert result.solution["modelled_reserved_peak_bytes"] is None
-    result, written = planned(between, "reserved")
-    assert result.solution["modelled_reserved_peak_bytes"] > between
-    assert any("once the allocator's reserve is counted" in note for note in result.notes)
+    with pytest.raises(BudgetError, match=r"no plan fits .* once the allocator's reserve is counted"):
+        planned(between, "reserved")
     roomy = int(least_reserved * 1.5)
     result, written = planned(roomy, "reserved")
     assert result.solution["modelled_reserved_peak_bytes"] <= roomy
     assert written.made_for.budget_of == "reserved"
     assert any("the budget bounds the caching allocator's reserved peak" in note for note in result.notes)
+
+
+def test_cli_plan_refuses_budget_of_with_sweep_before_any_work(capsys):
+    assert main(["plan", "--sweep", "--budget-of", "reserved"]) == 2
+    printed = capsys.readouterr().out
+    assert "--budget-of applies to a plan for --budget; --sweep plans for no budget" in printed

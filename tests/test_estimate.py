@@ -691,3 +691,19 @@ def test_an_elementwise_optimizer_on_local_shards_holds_what_it_holds_on_dtensor
     monkeypatch.setattr(_training, "ELEMENTWISE", ())
     on_dtensors = rank_step(SMALL, "full", fsdp, "h100", tp=tp, training=setup)
     assert local == on_dtensors
+
+
+def test_a_hugging_face_config_follows_the_numbers_given_on_top_of_it(tmp_path):
+    # --layers carries per-layer lists (layer_types) to the new depth; --hidden moves a head size
+    # the file states (hidden / heads); the class built is the shape described.
+    pytest.importorskip("transformers")
+    from actplan.models import build_for_shape
+
+    path = _tiny_hf_config(tmp_path, model_type="qwen3", head_dim=16, layer_types=["full_attention"] * 2)
+    shape = replace(shape_from_hf_config(path, seq=32, batch=2, dtype="fp32"), layers=5, hidden=128)
+    model = build_for_shape(shape).model
+    assert len(model.model.layers) == 5 and model.config.layer_types == ["full_attention"] * 5
+    assert model.model.layers[0].self_attn.q_proj.weight.shape == (4 * 32, 128)
+    assert rank_step(replace(shape, layers=3), "full", 2, "h100").parameters == sum(
+        p.numel() for p in build_for_shape(replace(shape, layers=3)).model.parameters()
+    )

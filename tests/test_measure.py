@@ -235,9 +235,12 @@ def test_dtensor_shape_propagation_on_a_fake_run_is_no_allocation():
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 
+    from actplan._torch_internals import dtensor_shape_propagation
     from actplan.measure import FakeRun
     from actplan.planning._rank_step import fake_world
 
+    with dtensor_shape_propagation() as propagating:
+        assert propagating is not None  # this torch has the hook; else the test would prove nothing
     world, rows, cols = 8, 64, 256
     shard_bytes = rows * cols * FLOAT32_BYTES
     with fake_world(world):

@@ -116,7 +116,7 @@ SETTINGS: dict[str, Settings] = {
         },
         estimates={
             "tests": 70,
-            "allocator": 40,  # 13 cases of two steps from an empty cache, ~3 s each
+            "allocator": 40,  # 10 cases of two steps from an empty cache, ~3 s each
             "offload": 35,
             "bench_dense": 35,
             "compiled": 75,

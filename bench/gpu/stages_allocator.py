@@ -53,6 +53,8 @@ def _one_rank_group(device: torch.device) -> Iterator[Any]:
     from torch.distributed.device_mesh import init_device_mesh
 
     owned = not dist.is_initialized()
+    if not owned and dist.get_world_size() != 1:
+        raise RuntimeError("the allocator stage runs on one rank; start it outside a multi-rank job")
     if owned:
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, rank=0, world_size=1, store=dist.HashStore())
@@ -104,7 +106,10 @@ def _run_case(
     if ctx.cuda:
         row["measured_allocated_bytes"] = torch.cuda.max_memory_allocated(ctx.device) - base_allocated
         row["measured_reserved_bytes"] = torch.cuda.max_memory_reserved(ctx.device) - base_reserved
+        # Cached free space left in segments that still hold a live block would serve this
+        # case's first allocations and lower its measured reserve: recorded, so it can be seen.
         row["baseline_reserved_bytes"] = base_reserved
+        row["baseline_cached_free_bytes"] = base_reserved - base_allocated
     del bundle, optimizer, batch
     return row
 

@@ -7,6 +7,7 @@ propagation. Part of ``actplan._torch_internals``, which re-exports them; import
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -71,18 +72,23 @@ def watch_fsdp_storage_resizes(on_resize: Callable[[torch.Tensor], None]) -> Ite
 
 class _Counted:
     """Wraps DTensor's shape-propagation lock (a ``nullcontext`` unless a multi-threaded test
-    set a real one) and counts how deep inside it this process is."""
+    set a real one) and counts how deep inside it the calling thread is (each thread its own
+    count: a propagation on another thread is not this one's)."""
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
-        self.depth = 0
+        self._local = threading.local()
+
+    @property
+    def depth(self) -> int:
+        return getattr(self._local, "depth", 0)
 
     def __enter__(self) -> None:
         self.inner.__enter__()
-        self.depth += 1
+        self._local.depth = self.depth + 1
 
     def __exit__(self, *exc: Any) -> Any:
-        self.depth -= 1
+        self._local.depth = self.depth - 1
         return self.inner.__exit__(*exc)
 
 
@@ -107,4 +113,7 @@ def dtensor_shape_propagation() -> Iterator[Callable[[], bool] | None]:
     try:
         yield lambda: counted.depth > 0
     finally:
-        ShardingPropagator._fake_mode_lock = previous
+        if ShardingPropagator._fake_mode_lock is counted:
+            ShardingPropagator._fake_mode_lock = previous
+        # else a meter opened after this one (on another thread) closes later and restores the
+        # lock it found, this wrapper; its own ``inner`` chain still ends at the original lock.

@@ -293,9 +293,12 @@ def _unwritable(path: Path) -> str | None:
 
 
 def check_arguments(args: argparse.Namespace) -> None:
-    """What can be checked before any work: the device and the output paths."""
+    """What can be checked before any work: the device, the output paths, an option that
+    would do nothing."""
     if getattr(args, "device", None) is not None:
         resolve_device(args.device)
+    if getattr(args, "sweep", False) and getattr(args, "budget_of", None):
+        raise ValueError("--budget-of applies to a plan for --budget; --sweep plans for no budget: drop one")
     for attribute, option in _OUTPUT_OPTIONS:
         if getattr(args, attribute, None):
             why = _unwritable(Path(getattr(args, attribute)))

@@ -160,19 +160,35 @@ class StorageTracker(TorchDispatchMode):
         # Whether DTensor is propagating shapes now (its global-shape fake tensors are no
         # allocation), or None where torch offers no way to tell: then no subclass is entered.
         self._propagation: Any = None
+        self._entered = 0
         self._propagating: Any = None
 
     def __enter__(self) -> StorageTracker:
+        self._entered += 1
+        if self._entered > 1:  # entered again while on the stack: the hook is open already
+            return super().__enter__()
         self._propagation = dtensor_shape_propagation()
         self._propagating = self._propagation.__enter__()
-        return super().__enter__()
+        try:
+            return super().__enter__()
+        except BaseException:
+            self._close_propagation()
+            raise
 
     def __exit__(self, *exc: Any) -> None:
         try:
             super().__exit__(*exc)
         finally:
-            self._propagation.__exit__(*exc)
-            self._propagating = None
+            if self._entered == 1:
+                self._close_propagation()
+            else:
+                self._entered -= 1
+
+    def _close_propagation(self) -> None:
+        self._entered = 0
+        if self._propagation is not None:
+            self._propagation.__exit__(None, None, None)
+        self._propagation = self._propagating = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

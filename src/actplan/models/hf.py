@@ -125,14 +125,18 @@ def config_model(
     values = dict(values)
     model_type = values.pop("model_type", None)
     try:
-        config = transformers.AutoConfig.for_model(model_type, **values)
+        defaults = transformers.AutoConfig.for_model(model_type)
     except (ValueError, KeyError) as error:
         raise ValueError(
-            f"transformers {transformers.__version__} cannot build model_type {model_type!r} ({error}); "
+            f"transformers {transformers.__version__} does not know model_type {model_type!r} ({error}); "
             "upgrade transformers, or estimate the shape with --model and its numbers"
         ) from None
-    defaults = transformers.AutoConfig.for_model(model_type)
-    ignored = [key for key in added if not hasattr(defaults, key)]
+    try:
+        config = transformers.AutoConfig.for_model(model_type, **values)
+    except Exception as error:  # transformers' config validation raises its own error types
+        raise ValueError(f"transformers refuses this config for {model_type!r}: {error}") from None
+    fields = defaults.get_text_config() if isinstance(values.get("text_config"), dict) else defaults
+    ignored = [key for key in added if not hasattr(fields, key)]
     if ignored:
         raise ValueError(
             f"{type(config).__name__} has no {', '.join(ignored)}: a number set there would change "

@@ -277,10 +277,12 @@ _UNSUPPORTED = {
 
 def shape_from_hf_config(path: str | Path, **overrides: Any) -> Shape:
     """A shape from a Hugging Face ``config.json`` (a file, or a folder holding one; read
-    locally, never downloaded), with ``overrides`` applied. A Llama-, Mistral-, Qwen-, Mixtral-
-    or DeepSeek-V2/V3-style decoder (multi-head latent attention) maps onto the reference dense
-    or MoE model; anything else is refused with the reason. DeepSeek-V3's multi-token
-    prediction module (``num_nextn_predict_layers``) is not laid out."""
+    locally, never downloaded), with ``overrides`` applied: its numbers (a Llama-, Mistral-,
+    Qwen-, Mixtral- or DeepSeek-V2/V3-style decoder; anything else is refused with the reason)
+    and the file itself (``hf_config``), from which the measured steps build transformers' own
+    class; the formula path (expert parallelism) steps the reference dense or MoE model at
+    these numbers. DeepSeek-V3's multi-token prediction module (``num_nextn_predict_layers``)
+    is not laid out."""
     path = Path(path)
     if path.is_dir():
         path = path / "config.json"
@@ -357,4 +359,16 @@ def hf_config_values(shape: Shape) -> tuple[dict[str, Any], list[str]]:
         if key not in target:
             added.append(key)
         target[key] = value
+        if name == "layers":
+            _relayer(target, base.layers, value)
+    if target.get("head_dim") is not None and not shape.mla:
+        target["head_dim"] = shape.attention_head_dim  # a stated head size follows --hidden, --heads
     return config, added
+
+
+def _relayer(config: dict[str, Any], was: int, now: int) -> None:
+    """Per-layer lists (``layer_types``, ...) fitted to a new layer count: cut short, or carried
+    on by repeating their pattern, as a config for the same model at that depth would say."""
+    for key, value in config.items():
+        if isinstance(value, list) and len(value) == was and was > 0:
+            config[key] = [value[index % was] for index in range(now)]

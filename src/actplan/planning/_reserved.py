@@ -64,7 +64,7 @@ def modelled_reserved(
 class ReservedFit:
     solution: Solution
     report: AllocatorReport  # the written plan's modelled peaks
-    notes: list[str]
+    notes: list[str]  # how many times it was planned again
 
 
 def fit_reserved(
@@ -77,7 +77,8 @@ def fit_reserved(
 ) -> ReservedFit:
     """The fastest plan whose modelled reserved peak is within ``budget_bytes``, starting from
     ``solution`` (the planner's for requested bytes): at most ``TRIES`` plans are stepped. When
-    none fits, the last (the one planned under the lowest budget) is kept and a note says so."""
+    none fits, a ``BudgetError`` says what the last one reserves: no plan is written as fitting
+    a budget it does not fit."""
     problem = profile.problem()
     allowed = budget_bytes
     notes: list[str] = []
@@ -92,21 +93,20 @@ def fit_reserved(
                 )
             return ReservedFit(solution, report, notes)
         if attempt == TRIES - 1:
-            notes.append(
+            raise BudgetError(
                 f"after {TRIES} plans the modelled reserved peak is still {human_bytes(reserved)}, over "
-                f"the budget {human_bytes(budget_bytes)}"
+                f"the budget {human_bytes(budget_bytes)}; allow more memory, or plan with "
+                "--budget-of requested and leave room for the allocator's reserve yourself"
             )
-            return ReservedFit(solution, report, notes)
         # Lower by the excess, and at least by this plan's reserve beyond what it requests.
         reserve = reserved - report.peak_requested_bytes
         allowed = min(allowed - (reserved - budget_bytes), budget_bytes - reserve)
         try:
             solution = solve(problem, allowed)
         except BudgetError:
-            notes.append(
+            raise BudgetError(
                 f"no plan fits {human_bytes(budget_bytes)} once the allocator's reserve is counted: "
-                f"this one reserves {human_bytes(reserved)} (modelled); lower the batch or sequence, "
-                "or allow more memory"
-            )
-            return ReservedFit(solution, report, notes)
+                f"the plan that holds least reserves {human_bytes(reserved)} (modelled); lower the "
+                "batch or sequence, or allow more memory"
+            ) from None
     raise AssertionError("unreachable")

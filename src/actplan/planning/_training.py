@@ -46,6 +46,11 @@ class _OnLocalShards:
 
     def step(self) -> None:
         for parameter, shard in zip(self.parameters, self.shards, strict=True):
+            if local_shard(parameter) is not shard:
+                raise RuntimeError(
+                    "a parameter's local shard was replaced after the optimizer was made (FSDP2's "
+                    "lazy init); make the optimizer after the first forward"
+                )
             shard.grad = None if parameter.grad is None else local_shard(parameter.grad)
         self.inner.step()
         for shard in self.shards:

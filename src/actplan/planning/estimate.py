@@ -233,9 +233,9 @@ def estimate(
             f"{human_bytes(accel.memory_bytes)}; give a budget within it, or another --gpu"
         )
     training.check()
-    if ep > 1 and training != TrainingSetup(optimizer_impl=training.optimizer_impl):
+    if ep > 1 and training != DEFAULT_TRAINING:
         raise ValueError(
-            "--optimizer, --grad-accum and --freeze need the measured path, which expert "
+            "--optimizer, --optimizer-impl, --grad-accum and --freeze need the measured path, which expert "
             "parallelism does not run on yet (its static memory is AdamW's formula); leave them "
             "out with --ep, or estimate without --ep"
         )
@@ -360,6 +360,12 @@ def estimate(
             "plans: profiled and planned on fake tensors with the roofline clock (offload is not "
             "profiled on fake tensors); the planner plans requested bytes, 'predicted' is its figure, "
             "the row the plan's own step, and fits is judged on the row's reserved bytes"
+            + (
+                "; the profile steps one micro-batch over every parameter, so with --grad-accum or "
+                "--freeze the prediction is the planner's and the row is what the setup holds"
+                if training != DEFAULT_TRAINING
+                else ""
+            )
         )
     return EstimateResult(
         shape=(shape if measured else rank_shape).to_dict(),

@@ -675,9 +675,11 @@ def test_a_budget_no_plan_reaches_states_the_feasible_range(tmp_path, capsys):
     assert "no plan written" in printed and not plan.exists()
 
 
-@pytest.mark.parametrize("optimizer,impl", [("AdamW", "foreach"), ("AdamW", "fused"), ("Adam", "for-loop"),
-                                            ("SGD", "foreach")])  # fmt: skip
-@pytest.mark.parametrize("fsdp,tp", [(4, 1), (2, 2)], ids=["fsdp4", "fsdp2-tp2"])
+@pytest.mark.parametrize(
+    "optimizer,impl,fsdp,tp",
+    [("AdamW", "foreach", 4, 1), ("AdamW", "fused", 2, 2), ("Adam", "for-loop", 4, 1),
+     ("SGD", "foreach", 2, 2)],
+)  # fmt: skip
 def test_an_elementwise_optimizer_on_local_shards_holds_what_it_holds_on_dtensors(
     monkeypatch, optimizer, impl, fsdp, tp
 ):

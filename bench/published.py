@@ -36,6 +36,7 @@ class Case:
     tp: int = 1
     alloc_conf: str = ""
     optimizer_impl: str = "foreach"  # torchtitan's default until 2025-02-24 (#881), fused after
+    titan: str | None = None  # torchtitan's MODEL:FLAVOR, estimated too where its code runs (FSDP)
 
 
 def _llama(batch: int, seq: int = 8192) -> Shape:
@@ -53,20 +54,21 @@ EXPANDABLE = "expandable_segments:True"  # torchtitan's launch script, from 2024
 # on a GPU, foreach.
 LATE_2024 = {"alloc_conf": EXPANDABLE}
 SINCE_2025_03 = {"alloc_conf": EXPANDABLE, "optimizer_impl": "fused"}
+LLAMA, QWEN = {"titan": "llama3:8B"}, {"titan": "qwen3:32B"}  # the code torchtitan trains
 TITAN = "torchtitan"
 QWEN_PR = f"{TITAN} PR #1690, Qwen3 32B training configs"
 CASES = [
     Case("E1", f"{TITAN} docs/performance.md (2024-12), Table 1: 8xH100, eager", _llama(2),
-         "titan-op-sac", 82.4, 8, **LATE_2024),
+         "titan-op-sac", 82.4, 8, **LATE_2024, **LLAMA),
     Case("E2", f"{TITAN} docs/performance.md (2024-12), Table 3: 128xH100, eager", _llama(2),
-         "titan-op-sac", 67.0, 128, **LATE_2024),
+         "titan-op-sac", 67.0, 128, **LATE_2024, **LLAMA),
     Case("E3", f"{TITAN} PR #822 (reshard_after_forward default), 8xH100", _llama(1),
-         "titan-op-sac", 49.59, 8, **LATE_2024),
+         "titan-op-sac", 49.59, 8, **LATE_2024, **LLAMA),
     Case("E6", f"{TITAN} PR #467 (no-AC baseline), 8xH100, before expandable segments", _llama(1),
-         "none", 78.38, 8),
-    Case("E8a", QWEN_PR, _qwen(1), "full", 81.47, 8, **SINCE_2025_03),
-    Case("E8b", QWEN_PR, _qwen(2), "full", 89.33, 8, **SINCE_2025_03),
-    Case("E8c", QWEN_PR, _qwen(4), "full", 78.48, 16, **SINCE_2025_03),
+         "none", 78.38, 8, **LLAMA),
+    Case("E8a", QWEN_PR, _qwen(1), "full", 81.47, 8, **SINCE_2025_03, **QWEN),
+    Case("E8b", QWEN_PR, _qwen(2), "full", 89.33, 8, **SINCE_2025_03, **QWEN),
+    Case("E8c", QWEN_PR, _qwen(4), "full", 78.48, 16, **SINCE_2025_03, **QWEN),
     Case("T1", f"{TITAN} PR #364 (A100 80GB inferred), before expandable segments", _llama(4),
          "titan-op-sac", 65.53, 2, tp=4),
     Case("T2", f"{TITAN} PR #364, earlier revision (lbs 1, the config default)", _llama(1),
@@ -115,27 +117,46 @@ NOTES = """\
 """
 
 
+def _reserved(case: Case, shape: Shape) -> tuple[float, float]:
+    """Our allocated and reserved peaks (GiB) for the case's run of ``shape``."""
+    settings = AllocatorSettings.parse(case.alloc_conf) if case.alloc_conf else AllocatorSettings()
+    result = estimate(
+        shape,
+        (case.preset,),
+        gpu="h100",
+        fsdp=case.fsdp,
+        tp=case.tp,
+        allocator=settings,
+        training=TrainingSetup(optimizer_impl=case.optimizer_impl),
+    )
+    row = result.rows[0]
+    return row.allocated_peak_bytes / GIB, row.reserved_peak_bytes / GIB
+
+
 def main() -> int:
     out = Path(__file__).parent / "results" / "published.md"
     rows = []
     for case in CASES:
         started = time.perf_counter()
-        settings = AllocatorSettings.parse(case.alloc_conf) if case.alloc_conf else AllocatorSettings()
-        result = estimate(
-            case.shape,
-            (case.preset,),
-            gpu="h100",
-            fsdp=case.fsdp,
-            tp=case.tp,
-            allocator=settings,
-            training=TrainingSetup(optimizer_impl=case.optimizer_impl),
-        )
-        row = result.rows[0]
-        ours = row.reserved_peak_bytes / GIB
+        allocated, ours = _reserved(case, case.shape)
         error = ours / case.published_gib - 1
-        rows.append((case, ours, row.allocated_peak_bytes / GIB, error, result.method))
+        titan = None
+        if case.titan:
+            from actplan.models.titan import shape_from_titan
+
+            shape = shape_from_titan(
+                case.titan, seq=case.shape.seq, batch=case.shape.batch, dtype=case.shape.dtype
+            )
+            titan = _reserved(case, shape)[1]
+        rows.append((case, ours, allocated, error, titan))
         took = time.perf_counter() - started
-        print(f"{case.key}: published {case.published_gib:.2f} GiB, ours {ours:.2f} GiB ({error:+.1%}), {took:.0f} s")  # noqa: E501
+        theirs = (
+            ""
+            if titan is None
+            else f"; torchtitan's code {titan:.2f} GiB ({titan / case.published_gib - 1:+.1%})"
+        )
+        ours_text = f"ours {ours:.2f} GiB ({error:+.1%}){theirs}"
+        print(f"{case.key}: published {case.published_gib:.2f} GiB, {ours_text}, {took:.0f} s")
     lines = [
         "# Predicted vs published: peak reserved memory per GPU",
         "",
@@ -146,19 +167,25 @@ def main() -> int:
         "settings that run used (torchtitan's launch script sets `expandable_segments:True` from",
         "2024-10-22 on). Local batch is sequences per data-parallel rank. `titan-op-sac` is",
         "torchtitan's op-level selective checkpointing re-stated (attention, reduce-scatter and",
-        "all-to-all saved, and every other matmul). The model is actplan's reference decoder at",
-        "each shape, not torchtitan's own code: see the notes below the table.",
+        "all-to-all saved, and every other matmul). 'ours' steps actplan's reference decoder at each",
+        "shape; on the FSDP layouts, 'torchtitan's code' steps torchtitan's own model of the flavour",
+        "(`--titan`, torchtitan 0.3's code, SDPA for FlexAttention): see the notes below the table.",
         "",
         "| case | source | model, layout, local batch x seq | checkpointing | allocator | AdamW "
-        "| published | ours: allocated | ours: reserved | error |",
-        "|---|---|---|---|---|---|---:|---:|---:|---:|",
+        "| published | ours: allocated | ours: reserved | error | torchtitan's code: reserved | error |",
+        "|---|---|---|---|---|---|---:|---:|---:|---:|---:|---:|",
     ]
-    for case, ours, allocated, error, _ in rows:
+    for case, ours, allocated, error, titan in rows:
         layout = f"FSDP {case.fsdp}" + (f" x TP {case.tp} + SP" if case.tp > 1 else "")
+        theirs = (
+            "| | "
+            if titan is None
+            else f"| {titan:.2f} GiB ({case.titan}) | {titan / case.published_gib - 1:+.1%} |"
+        )
         lines.append(
             f"| {case.key} | {case.source} | {case.shape.name}, {layout}, {case.shape.batch} x "
             f"{case.shape.seq} | {case.preset} | {case.alloc_conf or 'defaults'} | {case.optimizer_impl} | "
-            f"{case.published_gib:.2f} GiB | {allocated:.2f} GiB | {ours:.2f} GiB | {error:+.1%} |"
+            f"{case.published_gib:.2f} GiB | {allocated:.2f} GiB | {ours:.2f} GiB | {error:+.1%} " + theirs
         )
     lines += ["", NOTES]
     out.write_text("\n".join(lines) + "\n")

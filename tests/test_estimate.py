@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 from dataclasses import replace
 
 import pytest
@@ -120,6 +121,23 @@ def test_plans_are_profiled_planned_and_stepped_on_fake_tensors():
         assert config.to_yaml() == plan.plan_yaml
     assert plans[0].budget_bytes < plans[1].budget_bytes < plans[2].budget_bytes
     assert plans[0].seconds >= plans[2].seconds
+
+
+def test_experts_over_every_fsdp_rank_run_the_real_path_with_the_users_training_setup():
+    # --ep equal to --fsdp is what actplan.parallelize runs: measured, not a formula, so the
+    # training setup applies; each rank's experts stay whole (left out of FSDP).
+    frozen = TrainingSetup(freeze=r"\.experts\.")
+    result = estimate(SMALL_MOE, ("none", "full"), fsdp=2, ep=2)
+    lean = estimate(SMALL_MOE, ("none",), fsdp=2, ep=2, training=frozen)
+    assert "experts over the same 2" in result.method and "formula" not in result.method
+    none, full = result.rows
+    assert full.activation_bytes < none.activation_bytes
+    # 2 MoE layers of 2 local experts (gate, up, down: 64 x 64 each) in fp32; frozen, they hold
+    # no AdamW moments (8 bytes each) and no step count (a 4-byte tensor per parameter tensor),
+    # and nothing else changes between steps.
+    local_expert_params = 2 * 2 * 3 * 64 * 64
+    assert result.static_bytes - lean.static_bytes == 8 * local_expert_params + 4 * 2 * 3
+    assert result.parameters == lean.parameters  # this rank's model: its own experts only
 
 
 def test_static_memory_follows_the_stated_formula_and_the_budget_picks_the_fastest_fit():
@@ -294,8 +312,8 @@ def test_shipped_shapes_load_and_say_where_they_come_from():
          "such flag"),
         (["--shape", "llama3-8b", "--grad-accum", "0"], "--grad-accum must be 1 or more"),
         (["--shape", "llama3-8b", "--freeze", "("], "--freeze '(' is not a regular expression"),
-        (["--shape", "mixtral-8x7b", "--fsdp", "2", "--ep", "2", "--grad-accum", "2"], "need the measured "
-         "path, which expert parallelism does not run on yet"),
+        (["--shape", "mixtral-8x7b", "--fsdp", "4", "--ep", "2", "--grad-accum", "2"], "need the measured "
+         "path, which this expert-parallel layout does not run on"),
     ],
 )  # fmt: skip
 def test_bad_input_is_one_line_naming_the_problem(argv, message, capsys):
@@ -709,3 +727,56 @@ def test_a_hugging_face_config_follows_the_numbers_given_on_top_of_it(tmp_path):
     assert rank_step(replace(shape, layers=3), "full", 2, "h100").parameters == sum(
         p.numel() for p in build_for_shape(replace(shape, layers=3)).model.parameters()
     )
+
+
+def test_a_torchtitan_flavour_is_read_from_torchtitans_own_registry():
+    pytest.importorskip("torchtitan")
+    from actplan.models.titan import shape_from_titan
+
+    shape = shape_from_titan("llama3:8B", seq=4096)
+    assert (shape.layers, shape.hidden, shape.heads, shape.kv_heads, shape.ffn, shape.vocab) == (
+        32, 4096, 32, 8, 14336, 128256,
+    )  # fmt: skip
+    assert shape.seq == 4096 and shape.titan == "llama3:8B" and "torchtitan" in shape.code
+    qwen = shape_from_titan("qwen3:0.6B")  # heads of 128 on a hidden of 1024
+    assert qwen.head_dim == 128 and qwen.heads * 128 != qwen.hidden
+
+
+@pytest.mark.parametrize(
+    "spec,given,message",
+    [
+        ("llama3", {}, "give MODEL:FLAVOR, for example llama3:8B"),
+        ("llama3:9B", {}, "no flavour '9B'; llama3's flavours: debugmodel, 1B"),
+        ("nosuch:1B", {}, "torchtitan has no model 'nosuch'"),
+        ("llama3:8B", {"hidden": 1024}, "--hidden would change torchtitan's model"),
+        ("qwen3:30B-A3B", {}, "has MoE layers"),
+    ],
+)
+def test_a_torchtitan_spec_it_cannot_build_is_refused_by_name(spec, given, message):
+    pytest.importorskip("torchtitan")
+    from actplan.models.titan import shape_from_titan
+
+    with pytest.raises(ValueError, match=re.escape(message)):
+        shape_from_titan(spec, **given)
+
+
+@pytest.mark.parametrize("preset", ["none", "full", "titan-op-sac"])
+def test_torchtitans_own_llama_steps_fake_as_real_on_the_fsdp_path(preset):
+    # torchtitan's code (complex fp32 RoPE, fused QKV, fp32 loss) through actplan.parallelize's
+    # FSDP2: the fake step measures what the same step measures on real tensors.
+    pytest.importorskip("torchtitan")
+    from actplan.models.titan import shape_from_titan
+
+    shape = shape_from_titan("llama3:debugmodel", layers=2, seq=32, batch=2, dtype="fp32")
+    fake = rank_step(shape, preset, 2, "h100")
+    real = rank_step(shape, preset, 2, "h100", fake=False)
+    assert replace(fake, seconds=0.0) == replace(real, seconds=0.0)
+    assert fake.activation_bytes > 0
+
+
+def test_a_torchtitan_model_under_tensor_parallelism_is_refused_before_any_work():
+    pytest.importorskip("torchtitan")
+    from actplan.models.titan import shape_from_titan
+
+    with pytest.raises(ValueError, match="runs FSDP layouts only"):
+        estimate(shape_from_titan("llama3:debugmodel"), ("none",), fsdp=2, tp=2)

@@ -31,8 +31,46 @@ def test_rank_zero_of_a_real_gloo_run_holds_what_the_fake_rank_holds(tmp_path, f
     real = run_ranks(WORKER, [str(shape), str(fsdp), str(tp), preset], tmp_path / "out.json", nproc=fsdp * tp)
     fake = dataclasses.asdict(rank_step(SHAPE, preset, fsdp, "h100", tp=tp))
     rank0 = real["ranks"][0]
+    rank0.pop("routing")
     # Named difference: the roofline clock's time, which is not this test's subject (under TP
     # it prices a few ops more on real tensors; FLOPs are compared).
     for figures in (fake, rank0):
         figures.pop("seconds")
     assert rank0 == fake
+
+
+MOE = Shape(
+    model="moe", layers=3, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=128, seq=32, batch=2,
+    dtype="fp32", experts=4, top_k=2, expert_ffn=64, shared_ffn=32, first_k_dense=1,
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset,dtype", [("full", "fp32"), ("matmuls", "fp32"), ("full", "bf16")])
+def test_expert_parallel_rank_zero_holds_what_the_fake_rank_holds_on_its_routing(tmp_path, preset, dtype):
+    """MoE with its experts over 2 ranks: the fake rank, replaying the token counts rank 0
+    recorded (its routers' and those the other rank sent it), holds what rank 0 held. In bf16
+    the experts, which FSDP leaves out, compute in bf16 too (a real matmul refuses mixed
+    dtypes, which a fake one lets through)."""
+    moe = dataclasses.replace(MOE, dtype=dtype)
+    shape = tmp_path / "shape.json"
+    shape.write_text(json.dumps(moe.to_dict()))
+    real = run_ranks(WORKER, [str(shape), "2", "1", preset, "2"], tmp_path / "out.json", nproc=2)
+    rank0 = real["ranks"][0]
+    routing = rank0.pop("routing")
+    fake = dataclasses.asdict(rank_step(moe, preset, 2, "h100", ep=2, routing=routing))
+    for figures in (fake, rank0):
+        figures.pop("seconds")
+    assert rank0 == fake
+
+
+def test_balanced_routing_on_the_fake_group_receives_what_it_sends():
+    """Without recorded counts, every rank routes as rank 0 does: balanced counts, and an
+    exchange that hands each rank as many tokens as it sends. Activations then do not depend
+    on which rank is measured, and a layout the real path cannot run is refused."""
+    full = rank_step(MOE, "none", 2, "h100", ep=2)
+    assert full.activation_bytes > 0
+    with pytest.raises(ValueError, match="splits experts over every rank"):
+        rank_step(MOE, "none", 4, "h100", ep=2)
+    with pytest.raises(ValueError, match="MoE reference model"):
+        rank_step(SHAPE, "none", 2, "h100", ep=2)

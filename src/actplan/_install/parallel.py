@@ -143,7 +143,7 @@ def parallelize(
     if compile_options is not None:
         _reject_compiled_offload(config)
     dp_mesh, tp_mesh = _check_inputs(model, mesh, tp_plan, sequence_parallel)
-    expert_params = _expert_parallel_params(model, mesh)
+    expert_params = _expert_parallel_params(model, mesh, mp_policy)
     styles = None
     if tp_mesh is not None and tp_plan is not None:
         styles = resolve_tp_plan(model, tp_mesh, tp_plan, sequence_parallel)
@@ -174,7 +174,8 @@ def parallelize(
     world = mesh.size()
     for param in expert_params:
         # The all-to-all backward summed every rank's tokens into it; FSDP averages the rest.
-        param.register_hook(lambda grad: grad / world)
+        if param.requires_grad:  # a frozen expert gets no gradient to average
+            param.register_hook(lambda grad: grad / world)
     return plan
 
 
@@ -190,11 +191,24 @@ def _reject_compiled_offload(config: RecomputeConfig | dict[str, Any] | str | Pa
         )
 
 
-def _expert_parallel_params(model: nn.Module, mesh: DeviceMesh) -> set[nn.Parameter]:
-    """Parameters of modules that hold this rank's own experts (checked against the mesh)."""
+def _expert_parallel_params(
+    model: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy | None = None
+) -> set[nn.Parameter]:
+    """Parameters of modules that hold this rank's own experts (checked against the mesh). Under
+    a mixed-precision policy, each such module computes in its parameter dtype (the module's
+    ``compute_dtype``), as FSDP's own parameters do; a module without one is refused."""
     expert_modules = [m for m in model.modules() if getattr(m, "expert_parallel_group", None) is not None]
     if not expert_modules:
         return set()
+    dtype = None if mp_policy is None else mp_policy.param_dtype
+    if dtype is not None:
+        for module in expert_modules:
+            if not hasattr(module, "compute_dtype"):
+                raise ValueError(
+                    f"{type(module).__name__} holds expert-parallel weights, which FSDP leaves out "
+                    f"and so does not cast to mp_policy's param_dtype ({dtype}); give the module a "
+                    "`compute_dtype` attribute its forward casts its weights to, or pass no mp_policy"
+                )
     groups = {id(m.expert_parallel_group): m.expert_parallel_group for m in expert_modules}
     if len(groups) != 1:
         raise ValueError("every expert-parallel module must use the same expert-parallel process group")
@@ -207,6 +221,9 @@ def _expert_parallel_params(model: nn.Module, mesh: DeviceMesh) -> set[nn.Parame
             "replicated over data-parallel groups would need averaging that is not there yet); build the "
             "model with an ep_group and a mesh covering all ranks"
         )
+    if dtype is not None:
+        for module in expert_modules:
+            module.compute_dtype = dtype
     return {p for m in expert_modules for p in m.parameters()}
 
 

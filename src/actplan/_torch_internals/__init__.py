@@ -29,6 +29,7 @@ from actplan._torch_internals._errors import TorchInternalsError
 from actplan._torch_internals._fsdp import (
     dtensor_shape_propagation,
     fake_process_group_store,
+    process_group_named,
     watch_fsdp_storage_resizes,
 )
 
@@ -98,6 +99,7 @@ __all__ = [
     "op_name",
     "op_schema",
     "probe",
+    "process_group_named",
     "python_storage_refs",
     "saved_count",
     "storage_key",

@@ -117,3 +117,18 @@ def dtensor_shape_propagation() -> Iterator[Callable[[], bool] | None]:
             ShardingPropagator._fake_mode_lock = previous
         # else a meter opened after this one (on another thread) closes later and restores the
         # lock it found, this wrapper; its own ``inner`` chain still ends at the original lock.
+
+
+def process_group_named(name: str) -> Any:
+    """The process group a functional collective names by ``group_name`` (its rank and size)."""
+    from torch.distributed import distributed_c10d
+
+    resolve = getattr(distributed_c10d, "_resolve_process_group", None)
+    if resolve is None:
+        raise TorchInternalsError(
+            f"torch {torch.__version__} cannot resolve a functional collective's group name "
+            "(torch.distributed.distributed_c10d._resolve_process_group is gone); install the "
+            "torch release actplan is tested with"
+        )
+    return resolve(name)
+

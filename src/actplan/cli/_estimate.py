@@ -18,24 +18,30 @@ _MOE_FLAGS = ("experts", "top_k", "expert_ffn", "shared_ffn", "first_k_dense")
 
 
 def shape_from_args(args: argparse.Namespace):
-    """``--shape NAME`` or ``--hf-config PATH`` with any flag overriding it, or ``--model`` with
-    every number given."""
+    """``--shape NAME`` or ``--hf-config PATH`` with any flag overriding it, ``--titan
+    MODEL:FLAVOR`` with its sequence, batch, dtype and depth, or ``--model`` with every number
+    given."""
     from actplan.models.shape import Shape, load_shape, shape_from_hf_config, shape_names
 
     given = {name: getattr(args, name) for name in (*_SHAPE_FLAGS, *_MOE_FLAGS, "head_dim")}
     given |= {"seq": args.seq, "batch": args.batch, "dtype": args.dtype}
-    sources = [flag for flag, value in (("--shape", args.shape), ("--hf-config", args.hf_config),
-                                         ("--model", args.model)) if value]  # fmt: skip
+    named = (("--shape", args.shape), ("--hf-config", args.hf_config), ("--titan", args.titan),
+             ("--model", args.model))  # fmt: skip
+    sources = [flag for flag, value in named if value]
     if len(sources) > 1:
         raise ValueError(f"give one of {', '.join(sources)}, not several (each names the model)")
     if args.shape:
         return load_shape(args.shape, **given)
     if args.hf_config:
         return shape_from_hf_config(args.hf_config, **given)
+    if args.titan:
+        from actplan.models.titan import shape_from_titan
+
+        return shape_from_titan(args.titan, **given)
     if not args.model:
         raise ValueError(
-            f"give --shape NAME ({', '.join(shape_names())}), --hf-config PATH, or --model dense|moe "
-            "with --layers --hidden --heads --kv-heads --ffn --vocab"
+            f"give --shape NAME ({', '.join(shape_names())}), --hf-config PATH, --titan MODEL:FLAVOR, "
+            "or --model dense|moe with --layers --hidden --heads --kv-heads --ffn --vocab"
         )
     missing = [f"--{name.replace('_', '-')}" for name in _SHAPE_FLAGS if given[name] is None]
     if missing:

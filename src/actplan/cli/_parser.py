@@ -105,6 +105,9 @@ def _add_estimate(sub) -> None:
     parser.add_argument("--shape", help="a shipped shape (llama3-8b, llama3-70b, mixtral-8x7b, ...)")
     parser.add_argument("--hf-config", metavar="PATH", help="a local Hugging Face config.json or its folder")
     parser.add_argument(
+        "--titan", metavar="MODEL:FLAVOR", help="torchtitan's own model, e.g. llama3:8B (needs torchtitan)"
+    )
+    parser.add_argument(
         "--model", choices=("dense", "moe"), help="the reference model, with every number below"
     )
     for name in ("layers", "hidden", "heads", "kv-heads", "head-dim", "ffn", "vocab"):
@@ -119,7 +122,12 @@ def _add_estimate(sub) -> None:
     )
     parser.add_argument("--fsdp", type=int, default=1, help="FSDP ranks the static memory is sharded over")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (with sequence parallel)")
-    parser.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (taken from the FSDP ones)")
+    parser.add_argument(
+        "--ep",
+        type=int,
+        default=1,
+        help="expert-parallel ranks, from the FSDP ones (= --fsdp: the real path)",
+    )
     parser.add_argument(
         "--presets",
         default="none,full,attn,matmuls,megatron-selective",

@@ -15,8 +15,18 @@ values, and takes fake ones for packed, building a mask a real unpacked batch ne
 ``transformers`` was imported before the run, as building a model from it does). And how many
 tokens each expert receives (``torch.bincount`` of the router's choices, read with ``.tolist()``).
 ``FakeRun(routing="balanced")`` gives every expert an equal share, as capacity planning does;
-``routing=`` a list of count lists replays recorded counts (one list per ``bincount`` call, in
-order). Any other op whose output size depends on values stops the run with an error naming it.
+``routing=`` a list of count lists replays recorded counts (one list per ``bincount`` call and
+per exchange of counts, in order: what ``RoutingRecorder`` records on a real run). Any other op
+whose output size depends on values stops the run with an error naming it.
+
+Counts travel. Under expert parallelism a rank learns how many tokens it receives from an
+all-to-all of the counts (``_c10d_functional.all_to_all_single`` on an integer tensor), then
+reads split sizes and offsets from them. So values the run knows (an assumed or replayed count,
+and what follows from known values only: views, sums, cumulative sums of integers) travel with
+their fake tensors (torch's ``FakeTensor.constant``, which torch itself keeps for one-element
+tensors only). An exchange of known counts on a fake process group assumes every rank routes as
+this one (each rank sends this rank what this rank sends itself), unless recorded counts replay
+what it received.
 
 Fake tensors run the CPU's kernels. Where those save what a GPU run saves, the bytes are the
 GPU's: the CPU flash-attention op saves the output and the log-sum-exp, as the GPU one does.
@@ -42,7 +52,9 @@ from actplan._torch_internals import (
     DynamicOutputShapeException,
     FakeTensor,
     FakeTensorMode,
+    OpOverload,
     TorchDispatchMode,
+    process_group_named,
 )
 from actplan._torch_internals import disable_current_modes as _disable_current_modes
 
@@ -93,8 +105,21 @@ def balanced_counts(total: int, bins: int) -> list[int]:
 
 try:
     _WAIT_TENSOR = torch.ops._c10d_functional.wait_tensor.default
+    _ALL_TO_ALL = torch.ops._c10d_functional.all_to_all_single.default
 except (AttributeError, RuntimeError):  # a torch built without distributed
-    _WAIT_TENSOR = None
+    _WAIT_TENSOR = _ALL_TO_ALL = None
+
+# Values carried with fake tensors are routing bookkeeping (counts, offsets), never activations.
+_KNOWN_LIMIT = 1 << 16
+_COUNT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.bool)
+
+
+def _known(value: object) -> bool:
+    return isinstance(value, FakeTensor) and value.constant is not None
+
+
+def _has_counts(tensor: torch.Tensor) -> bool:
+    return tensor.dtype in _COUNT_DTYPES and tensor.numel() <= _KNOWN_LIMIT
 
 
 class _Routing(TorchDispatchMode):
@@ -110,6 +135,7 @@ class _Routing(TorchDispatchMode):
         self.fake_mode = fake_mode
         self.routing = routing
         self.calls = 0
+        self.values_known = False  # whether any fake tensor carries values yet
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -118,9 +144,20 @@ class _Routing(TorchDispatchMode):
         if func is _WAIT_TENSOR and func is not None and is_fake(args[0]):
             # The real kernel hands back the tensor it waited on; the fake one returns a new
             # tensor, which a meter would count as a second copy of every collective's output.
-            return args[0]
+            # An alias, not the tensor itself: autograd would make its own view of an input
+            # that needs a gradient returned as an output, an op a recomputation (whose
+            # inputs need none) does not run.
+            out = args[0].view(args[0].shape)
+            if _known(args[0]):
+                out.constant = args[0].constant
+            return out
+        hidden = None
+        if func is _ALL_TO_ALL and func is not None and _known(args[0]):
+            # torch's fake mode would run the collective for real on the known values (which
+            # the process group then waits for in vain); its values are this mode's to give.
+            hidden, args[0].constant = args[0].constant, None
         try:
-            return func(*args, **kwargs)
+            out = func(*args, **kwargs)
         except (DataDependentOutputException, DynamicOutputShapeException) as err:
             raise FakeValueError(
                 f"{func} needs tensor values to know its result, and a fake-tensor run has none "
@@ -128,6 +165,65 @@ class _Routing(TorchDispatchMode):
                 "follow from shapes (plus MoE token counts from `torch.bincount`, which follow the "
                 "routing assumption); measure this model with real tensors at a smaller shape"
             ) from None
+        finally:
+            if hidden is not None:
+                args[0].constant = hidden
+        if self.values_known and isinstance(out, torch.Tensor) and _has_counts(out):
+            if hidden is not None:
+                self._exchange(out, *args)
+            else:
+                self._carry(func, args, kwargs, out)
+        return out
+
+    def _carry(self, func, args: tuple, kwargs: dict, out: torch.Tensor) -> None:
+        """Gives ``out`` its values when the op read only fake tensors with known values (and
+        plain numbers): the op is run on those values."""
+        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        if not tensors or not all(_known(t) for t in tensors) or not is_fake(out):
+            return
+        if not isinstance(func, OpOverload) or func._schema.is_mutable:
+            return  # torch itself forgets the values an in-place op writes
+        swap = {id(t): t.constant for t in tensors}
+        with _disable_current_modes():
+            real = func(
+                *(swap.get(id(a), a) for a in args), **{k: swap.get(id(v), v) for k, v in kwargs.items()}
+            )
+        if isinstance(real, torch.Tensor) and real.shape == out.shape:
+            out.constant = real
+
+    def _exchange(self, out: torch.Tensor, sent: torch.Tensor, output_splits, input_splits, group) -> None:
+        """The counts an all-to-all of known counts delivers to this rank: replayed when the
+        routing was recorded, else what every rank sends if it routes as this one does (this
+        rank's own share of what it sends, from each rank)."""
+        if self.routing != "balanced":
+            values = self._recorded(out.numel(), f"an exchange of {out.numel()} counts")
+            with _disable_current_modes():
+                out.constant = torch.tensor(values, dtype=out.dtype).view(out.shape)
+            return
+        group = process_group_named(group)
+        size, rank = group.size(), group.rank()
+        with _disable_current_modes():
+            chunks = sent.constant.split(list(input_splits) if input_splits else sent.shape[0] // size)
+            if len(chunks) != size:
+                return
+            mine = chunks[rank]
+            if output_splits and any(n != mine.shape[0] for n in output_splits):
+                return  # the ranks do not all send as this one; the values stay unknown
+            out.constant = torch.cat([mine] * size).view(out.shape)
+
+    def _recorded(self, items: int, what: str) -> list[int]:
+        if self.calls >= len(self.routing):
+            raise FakeValueError(
+                f"the recorded routing has {len(self.routing)} results, and the run asked for "
+                f"another ({what}); record the counts of every router call and exchange of one step"
+            )
+        values = list(self.routing[self.calls])
+        self.calls += 1
+        if len(values) != items:
+            raise FakeValueError(
+                f"recorded result #{self.calls - 1} has {len(values)} values; this run's {what} needs {items}"
+            )
+        return values
 
     def _bincount(self, ids: torch.Tensor, weights: torch.Tensor | None = None, minlength: int = 0):
         if weights is not None:
@@ -139,11 +235,13 @@ class _Routing(TorchDispatchMode):
                     "values; pass minlength=<number of experts>"
                 )
             counts = balanced_counts(ids.numel(), minlength)
+            self.calls += 1
         else:
             if self.calls >= len(self.routing):
                 raise FakeValueError(
-                    f"the recorded routing has {len(self.routing)} bincount results, and the run asked "
-                    "for another; record the counts of every router call of one step"
+                    f"the recorded routing has {len(self.routing)} results, and the run asked "
+                    "for another (a bincount); record the counts of every router call and exchange "
+                    "of one step"
                 )
             counts = list(self.routing[self.calls])
             if sum(counts) != ids.numel() or len(counts) < minlength:
@@ -151,11 +249,12 @@ class _Routing(TorchDispatchMode):
                     f"recorded counts #{self.calls} ({len(counts)} bins, {sum(counts)} items) do not "
                     f"fit this call ({ids.numel()} items, minlength {minlength})"
                 )
-        self.calls += 1
+            self.calls += 1
         with _disable_current_modes():  # a real tensor, made outside the fake mode
             real = torch.tensor(counts, dtype=torch.int64)
         out = self.fake_mode.from_tensor(real)
         out.constant = real  # so `.tolist()` (split sizes) reads the assumed counts
+        self.values_known = True
         return out
 
 
@@ -246,15 +345,25 @@ def _assume_one_sequence_per_row() -> Callable[[], None] | None:
 
 
 class RoutingRecorder(TorchDispatchMode):
-    """Records the token counts (``bincount`` results) of a real run, in call order, so a fake
-    run can replay them: ``FakeRun(routing=recorder.counts)``."""
+    """Records the token counts of a real run in call order (each ``bincount`` result, and the
+    counts each exchange of counts between expert-parallel ranks delivered, read when it is
+    waited on), so a fake run can replay them: ``FakeRun(routing=recorder.counts)``."""
 
     def __init__(self) -> None:
         super().__init__()
         self.counts: list[list[int]] = []
+        self._exchanges: set[int] = set()  # ids of count exchanges not yet waited on
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if func is torch.ops.aten.bincount.default:
             self.counts.append(out.tolist())
+        elif func is _ALL_TO_ALL and func is not None and _has_counts(out):
+            self._exchanges.add(id(out))
+        elif func is _WAIT_TENSOR and func is not None:
+            # Eager collectives hand out an AsyncCollectiveTensor, waited on as itself.
+            waited = id(getattr(args[0], "elem", args[0]))
+            if waited in self._exchanges:
+                self._exchanges.discard(waited)
+                self.counts.append(out.flatten().tolist())
         return out

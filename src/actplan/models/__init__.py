@@ -121,10 +121,24 @@ def build_model(name: str = "dense", size: str = "small", **overrides) -> ModelB
     )
 
 
-def build_for_shape(shape: Shape) -> ModelBundle:
+def build_for_shape(shape: Shape, ep_group: Any = None) -> ModelBundle:
     """The model a real-scale estimate steps for ``shape``, in the current default dtype and
     device: transformers' own class when the shape came from a ``config.json`` (its code: how
-    its norms cast, its RoPE, its attention, its loss), else the reference model."""
+    its norms cast, its RoPE, its attention, its loss), torchtitan's own model for
+    ``shape.titan``, else the reference model; a MoE
+    reference model splits its experts over ``ep_group`` (a process group) when one is given."""
+    if ep_group is not None:
+        if shape.model != "moe" or shape.hf_config is not None or shape.titan is not None:
+            raise ValueError(
+                f"expert parallelism over a process group needs the MoE reference model; {shape.name} "
+                f"is {'a transformers config' if shape.hf_config else shape.model}"
+            )
+        return build_model(shape.model, "small", ep_group=ep_group, **shape.model_overrides())
+    if shape.titan is not None:
+        from actplan.models.titan import titan_model
+
+        model, make_batch, description = titan_model(shape)
+        return ModelBundle("titan", "custom", model, make_batch, description)
     if shape.hf_config is None:
         return build_model(shape.model, "small", **shape.model_overrides())
     from actplan.models.hf import config_model

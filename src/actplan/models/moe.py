@@ -1,16 +1,14 @@
 """Reference mixture-of-experts decoder, with optional expert parallelism.
 
-Qwen3-MoE / DeepSeek style: the attention block of the dense model (grouped-query, or
-multi-head latent attention when ``kv_lora_rank`` is set), then a top-k
-router (softmax or sigmoid scores, auxiliary load-balancing loss), token
-dispatch sorted by expert, per-expert SwiGLU GEMMs, an always-on shared expert,
-and a weighted combine. The first ``first_k_dense`` layers keep a dense MLP.
+Qwen3-MoE / DeepSeek style: the dense model's attention block (grouped-query, or multi-head
+latent attention when ``kv_lora_rank`` is set), a top-k router (softmax or sigmoid scores,
+auxiliary balance loss), token dispatch sorted by expert, per-expert SwiGLU GEMMs, an
+always-on shared expert and a weighted combine; the first ``first_k_dense`` layers are dense.
 
-With a process group of size R > 1 the experts are split across ranks and
-tokens travel with ``all_to_all_single_autograd`` (gloo on CPU, NCCL on GPU).
-Routing decisions (top-k, sort, token counts) and collective outputs are what
-the selective policy always saves, so a replay never re-routes or
-re-communicates. Imports only the marker, the vocabulary and the dense blocks.
+With a process group of size R > 1 the experts are split across ranks and tokens travel with
+``all_to_all_single_autograd`` (gloo on CPU, NCCL on GPU). Routing decisions (top-k, sort,
+token counts) and collective outputs are what the selective policy always saves, so a replay
+never re-routes or re-communicates. Imports only the marker, vocabulary and dense blocks.
 """
 
 from __future__ import annotations
@@ -160,15 +158,16 @@ class ExpertGroup:
 class GroupedExperts(nn.Module):
     """This rank's experts: SwiGLU weights stacked as [local experts, in, out].
 
-    ``expert_parallel_group`` tells ``actplan.parallelize`` that these weights are
-    split across ranks (each rank holds different experts), so they must not be
-    averaged with the other ranks' like replicated parameters.
-    """
+    ``expert_parallel_group`` tells ``actplan.parallelize`` that these weights are split across
+    ranks (each holds different experts), so they must not be averaged with the other ranks'
+    like replicated ones. Left out of FSDP, its mixed precision does not cast them either:
+    ``compute_dtype`` (``parallelize`` sets it from ``mp_policy``) casts them for each forward."""
 
     def __init__(self, config: MoEConfig, ep: ExpertGroup) -> None:
         super().__init__()
         d, f, n = config.dim, config.expert_ffn_dim, ep.n_local
         self.ep = ep
+        self.compute_dtype: torch.dtype | None = None
         self.w_gate = nn.Parameter(torch.empty(n, d, f))
         self.w_up = nn.Parameter(torch.empty(n, d, f))
         self.w_down = nn.Parameter(torch.empty(n, f, d))
@@ -181,12 +180,15 @@ class GroupedExperts(nn.Module):
         """Each expert's output rows, in expert order."""
         chunks = rows.split(counts)
         checkpoint_record("moe_experts")
-        gates = [chunk @ self.w_gate[e] for e, chunk in enumerate(chunks)]
-        ups = [chunk @ self.w_up[e] for e, chunk in enumerate(chunks)]
+        dtype = self.compute_dtype or self.w_gate.dtype  # `.to` of the same dtype is no op
+        w_gate, w_up = self.w_gate.to(dtype), self.w_up.to(dtype)
+        gates = [chunk @ w_gate[e] for e, chunk in enumerate(chunks)]
+        ups = [chunk @ w_up[e] for e, chunk in enumerate(chunks)]
         checkpoint_record("moe_act")
         acts = [F.silu(g) * u for g, u in zip(gates, ups, strict=True)]
         checkpoint_record("moe_down")
-        return [a @ self.w_down[e] for e, a in enumerate(acts)]
+        w_down = self.w_down.to(dtype)
+        return [a @ w_down[e] for e, a in enumerate(acts)]
 
 
 class MoE(nn.Module):

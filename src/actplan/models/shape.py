@@ -63,6 +63,8 @@ class Shape:
     # A Hugging Face config.json: the measured steps build transformers' own model class from
     # it (with this shape's numbers), not the reference model.
     hf_config: str | None = None
+    # torchtitan's MODEL:FLAVOR (``llama3:8B``): the measured steps build torchtitan's own model.
+    titan: str | None = None
 
     def check(self) -> None:
         """Raise ``ValueError`` naming the numbers that do not fit together."""
@@ -212,6 +214,8 @@ class Shape:
     @property
     def code(self) -> str:
         """Which model code the measured steps run."""
+        if self.titan is not None:
+            return f"torchtitan's own {self.titan} (SDPA standing in for FlexAttention)"
         if self.hf_config is None:
             return f"actplan's reference {self.model} decoder"
         return f"transformers' own class for {self.hf_config}"
@@ -334,7 +338,7 @@ def shape_from_hf_config(path: str | Path, **overrides: Any) -> Shape:
     return _with_overrides(shape, overrides)
 
 
-_RUN_FIELDS = ("seq", "batch", "dtype", "tp", "ep", "name", "hf_config", "model")
+_RUN_FIELDS = ("seq", "batch", "dtype", "tp", "ep", "name", "hf_config", "titan", "model")
 
 
 def hf_config_values(shape: Shape) -> tuple[dict[str, Any], list[str]]:

@@ -17,11 +17,11 @@ from actplan.measure import FakeRun
 from actplan.models import build_for_shape
 from actplan.models.shape import DTYPES, Shape
 from actplan.planning.choose import config_for, made_for
-from actplan.planning.planner import minimum_peak, none_peak, solve
+from actplan.planning.planner import BudgetError, minimum_peak, none_peak, solve
 from actplan.planning.profile import ModelProfile, profile_model
 from actplan.sizes import human_bytes
 
-__all__ = ["Planner", "deepened", "default_dtype", "plans_for"]
+__all__ = ["Planner", "deepened", "default_dtype", "plan_within", "plans_for"]
 
 
 @contextlib.contextmanager
@@ -118,7 +118,7 @@ def plans_for(
     profile = deepened(profile, shape.layers, base_seconds)
     with default_dtype(DTYPES[shape.dtype]), torch.device("meta"):
         whole = build_for_shape(shape)  # the layers and classes the plan will meet
-    header = made_for(whole, shape.hf_config or shape.model, gpu)
+    header = made_for(whole, shape.titan or shape.hf_config or shape.model, gpu)
     # The measured static terms are the unsharded model's; the planner plans one FSDP rank.
     problem = replace(
         profile.problem(),
@@ -134,3 +134,55 @@ def plans_for(
         high, shares = usable, (1 / 3, 2 / 3, 1.0)
     budgets = [int(low + (high - low) * share) for share in shares]
     return Planner(profile, problem, budgets, int(low), header)
+
+
+_PLAN_TRIES = 6
+
+
+def plan_within(
+    planner: Planner,
+    target: int,
+    outside: int,
+    step: Callable[[RecomputeConfig], Any],
+    say: Callable[[str], None],
+    refused: list[str],
+) -> Any:
+    """The planner's plan for ``target`` bytes of GPU memory: it plans requested bytes, so the
+    plan is stepped, and while its reserved bytes (plus ``outside``) exceed ``target`` it plans
+    again under a budget lowered by the excess (and by at least the stepped plan's reserve
+    beyond its requested bytes), at most ``_PLAN_TRIES`` times. ``step`` steps a config and
+    returns its ``EstimateRow``; the last row stepped is returned (``None`` when none was), and a
+    reason no plan fits is appended to ``refused``."""
+    allowed = target - outside
+    row = None
+    if allowed <= 0:
+        refused.append(
+            f"no plan fits a budget of {human_bytes(target)}: the CUDA context and NCCL's buffers "
+            f"alone take {human_bytes(outside)}, outside the allocator"
+        )
+        return None
+    for _ in range(_PLAN_TRIES):
+        if row is not None and allowed < planner.minimum:
+            # The lowered budget is below every plan: the plan that holds least is the last try.
+            allowed = planner.minimum
+        try:
+            config, predicted_peak, predicted_ratio = planner.plan(allowed, target)
+        except BudgetError as err:
+            refused.append(str(err))  # the feasible range, said in the notes
+            break
+        say(f"stepping the plan for {human_bytes(target)}")
+        row = step(config)
+        row.preset = f"plan @ {human_bytes(target)}"
+        row.budget_bytes = target
+        row.predicted_peak_bytes = int(predicted_peak)
+        row.predicted_ratio = predicted_ratio
+        row.plan_yaml = config.to_yaml()
+        excess = row.reserved_peak_bytes + outside - target
+        if excess <= 0:
+            break
+        # Lower by the excess, and at least leave room for this plan's own reserve (reserved
+        # beyond requested), which the planner does not see.
+        if allowed == planner.minimum:
+            break  # the plan that holds least does not fit either
+        allowed = min(allowed - excess, target - outside - (row.reserved_peak_bytes - row.peak_bytes))
+    return row

@@ -19,6 +19,11 @@ reduce-scatter streams keep pools of their own, as on a GPU), and the meter sees
 ops: a loss-parallel cross-entropy's temporaries and a redistribution's buffers count, while the
 global-shape tensors DTensor propagates shapes with do not.
 
+Under expert parallelism (the MoE reference model's experts split over every rank of the
+mesh, as ``actplan.parallelize`` supports it) each rank's experts stay out of FSDP, whole, and
+tokens travel by all-to-all; how many each rank receives follows the routing assumption
+(``FakeRun``'s: balanced, every rank routing as this one, or counts recorded on a real run).
+
 What stays a stated assumption: the fake process group's collectives return at once, so a
 buffer a collective still reads on another stream is freed when the program frees it (torch's
 ``record_stream`` would hold it to the collective's end).
@@ -30,9 +35,9 @@ from __future__ import annotations
 import contextlib
 import gc
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.distributed as dist
@@ -57,9 +62,12 @@ from actplan.planning._training import DEFAULT_TRAINING, TrainingSetup
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
+Routing = Literal["balanced"] | Sequence[Sequence[int]]
+
 __all__ = [
     "CUDA_CONTEXT_BYTES",
     "RankStep",
+    "check_expert_layout",
     "fake_world",
     "formula_trace",
     "install",
@@ -161,13 +169,33 @@ def rank_step(
     fake: bool = True,
     tp: int = 1,
     training: TrainingSetup = DEFAULT_TRAINING,
+    ep: int = 1,
+    routing: Routing = "balanced",
 ) -> RankStep:
     """Rank 0 of FSDP over ``fsdp`` ranks, times tensor parallelism (with sequence
-    parallelism) over ``tp``, on torch's fake process group: ``step_on_mesh`` there. ``fake=False``
-    runs the same on real tensors (the tests compare them)."""
+    parallelism) over ``tp``, or with experts over ``ep`` ranks (which must be all ``fsdp`` of
+    them, without TP: what ``parallelize`` runs), on torch's fake process group:
+    ``step_on_mesh`` there. ``fake=False`` runs the same on real tensors (the tests compare them)."""
     training.check()  # before the process group starts
+    check_expert_layout(shape, fsdp, tp, ep)
     with fake_world(fsdp * tp):
-        return step_on_mesh(shape, preset, layout_mesh(fsdp, tp), gpu, settings, fake, training)
+        mesh = layout_mesh(fsdp, tp)
+        return step_on_mesh(shape, preset, mesh, gpu, settings, fake, training, ep > 1, routing)
+
+
+def check_expert_layout(shape: Shape, fsdp: int, tp: int, ep: int) -> None:
+    """Refuses an expert-parallel layout the real code path cannot run, naming why."""
+    if ep == 1:
+        return
+    if ep != fsdp or tp != 1:
+        raise ValueError(
+            f"actplan.parallelize splits experts over every rank, without tensor parallelism: --ep "
+            f"{ep} with --fsdp {fsdp}" + (f" and --tp {tp}" if tp > 1 else "") + " is not such a layout"
+        )
+    if shape.model != "moe" or shape.hf_config is not None:
+        raise ValueError(f"expert parallelism runs on the MoE reference model; {shape.name} is not one")
+    if shape.experts % ep:
+        raise ValueError(f"--ep {ep} must divide experts ({shape.experts}); choose a divisor")
 
 
 def layout_mesh(fsdp: int, tp: int) -> DeviceMesh:
@@ -190,6 +218,8 @@ def step_on_mesh(
     settings: AllocatorSettings | None = None,
     fake: bool = True,
     training: TrainingSetup = DEFAULT_TRAINING,
+    expert_parallel: bool = False,
+    routing: Routing = "balanced",
 ) -> RankStep:
     """This rank of ``mesh`` training ``shape`` (the whole model: the layout shards it) under
     ``preset`` (an actplan preset or config, or one of ``BASELINES``): see the module doc. Runs
@@ -197,7 +227,9 @@ def step_on_mesh(
     real gloo group, too). ``training`` is the optimizer, its implementation, the micro-batches
     per step and the frozen parameters (``TrainingSetup``): AdamW's ``foreach``, torch's default
     for CUDA tensors, allocates temporaries the size of the parameter shards at the step;
-    ``fused`` (torchtitan's default since February 2025) none."""
+    ``fused`` (torchtitan's default since February 2025) none. ``expert_parallel`` splits a MoE
+    model's experts over the mesh's ranks (a 1-D mesh), its token counts following ``routing``
+    on fake tensors (``FakeRun``'s routing)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     training.check()
@@ -214,19 +246,27 @@ def step_on_mesh(
         from torch.distributed.tensor.parallel import loss_parallel as loss_context
     # Tensor parallelism cannot be applied inside a fake mode: the model is built and
     # parallelized on the meta device, then given storage.
+    ep_group = None
+    if expert_parallel:
+        if len(names) > 1 or tp > 1:
+            raise ValueError("expert parallelism is run over a 1-D mesh (FSDP over the same ranks)")
+        ep_group = mesh.get_group()
     with torch.device("meta"):
         # fp32 parameters, cast to the compute dtype for each layer's forward by FSDP2.
-        bundle = build_for_shape(shape)
+        bundle = build_for_shape(shape, ep_group)
     model = bundle.model
     parameters = sum(p.numel() for p in model.parameters())
     training.apply_freeze(model)  # before sharding, as a user freezes a LoRA base
     options = {"tp_plan": _loss_parallel_plan(model, tp)} if loss_parallel else {}
     parallelize(model, mesh, install(model, preset), mp_policy=policy, **options)
-    with FakeRun(materialize_meta=True) if fake else contextlib.nullcontext(), warnings.catch_warnings():
+    run = FakeRun(routing=routing, materialize_meta=True) if fake else contextlib.nullcontext()
+    with run, warnings.catch_warnings():
         # FSDP2 warns that the root returns a view (its hook would miss an in-place op on
         # it); the step here does none, and the warning would only puzzle a user.
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
         model.to_empty(device=device)
+        if not fake:
+            _initialise(model, shape, ep_group)
         optimizer = training.make_optimizer(model.parameters())
         batch = bundle.batch(0, device)
         resident = resident_events(model)
@@ -265,6 +305,19 @@ def step_on_mesh(
         flops=clock.flops,
         seconds=clock.seconds,
     )
+
+
+def _initialise(model: torch.nn.Module, shape: Shape, ep_group) -> None:
+    """Real values for a model given storage by ``to_empty``: its own parameter init, and the
+    buffers (RoPE's frequencies) of the same model built on the CPU. Bytes do not depend on
+    values, but a MoE model's routing does, and uninitialised memory can route every token to
+    the same experts, or make NaNs."""
+    with torch.no_grad():
+        if hasattr(model, "reset_parameters"):
+            model.reset_parameters()
+        built = dict(build_for_shape(shape, ep_group).model.named_buffers())
+        for name, buffer in model.named_buffers():
+            buffer.copy_(built[name])
 
 
 def _retire_collectives(mesh: DeviceMesh) -> None:

@@ -19,7 +19,12 @@ How a rank is run depends on the layout:
   stepped twice with a real AdamW. Nothing is a formula: parameter, gradient and optimizer
   shards, all-gathered layers, reduce-scatter buffers, the sequence-parallel regions at
   ``s/tp`` and the activations are what the code allocates.
-- **expert parallel**: the rank's layers (``Shape.per_rank``) are stepped bare,
+- **experts over every FSDP rank** (``ep`` equal to ``fsdp``, no tensor parallelism: the
+  layout ``actplan.parallelize`` runs): measured the same way, the MoE reference model's
+  experts split over the ranks and left out of FSDP, tokens exchanged by all-to-all on the fake
+  group; how many each expert receives is the routing assumption (balanced, every rank routing
+  as this one).
+- **other expert-parallel layouts**: the rank's layers (``Shape.per_rank``) are stepped bare,
   and these parts are formulas, stated in the output and in docs/concepts.md: static memory
   of 16 bytes per parameter (fp32 parameter, gradient and AdamW's two moments; non-expert
   parameters sharded over ``fsdp`` ranks, the rank's experts over ``fsdp/ep``) plus two
@@ -56,7 +61,7 @@ from actplan.measure import (
 )
 from actplan.models import build_model, loss_of
 from actplan.models.shape import DTYPES, Shape
-from actplan.planning._estimate_plans import default_dtype, plans_for
+from actplan.planning._estimate_plans import default_dtype, plan_within, plans_for
 from actplan.planning._rank_step import (
     CUDA_CONTEXT_BYTES,
     formula_trace,
@@ -65,7 +70,6 @@ from actplan.planning._rank_step import (
     rank_step,
 )
 from actplan.planning._training import DEFAULT_TRAINING, TrainingSetup
-from actplan.planning.planner import BudgetError
 from actplan.sizes import human_bytes
 
 __all__ = ["EstimateResult", "EstimateRow", "TrainingSetup", "estimate", "preset_step"]
@@ -233,11 +237,18 @@ def estimate(
             f"{human_bytes(accel.memory_bytes)}; give a budget within it, or another --gpu"
         )
     training.check()
-    if ep > 1 and training != DEFAULT_TRAINING:
+    if shape.titan is not None and (tp > 1 or ep > 1):
         raise ValueError(
-            "--optimizer, --optimizer-impl, --grad-accum and --freeze need the measured path, which expert "
-            "parallelism does not run on yet (its static memory is AdamW's formula); leave them "
-            "out with --ep, or estimate without --ep"
+            f"--titan {shape.titan} runs FSDP layouts only: torchtitan applies its tensor and expert "
+            "parallelism in its own parallelize functions, which the estimate does not run yet; drop "
+            "--tp and --ep, or estimate the shape with --shape or --hf-config"
+        )
+    measured = ep == 1 or _experts_measured(shape, fsdp, tp, ep)
+    if not measured and training != DEFAULT_TRAINING:
+        raise ValueError(
+            "--optimizer, --optimizer-impl, --grad-accum and --freeze need the measured path, which this "
+            "expert-parallel layout does not run on (its static memory is AdamW's formula); leave them "
+            f"out, or give --ep equal to --fsdp ({fsdp}) without --tp"
         )
     if not presets and not plans:
         raise ValueError("no presets to estimate; name at least one (e.g. none,full)")
@@ -245,7 +256,6 @@ def estimate(
         check_name(preset)
     settings = allocator or AllocatorSettings()
     rank_shape = shape.per_rank(tp, ep)
-    measured = ep == 1
     if not measured:  # the formula path steps the reference layers, whatever code was named
         rank_shape = replace(rank_shape, hf_config=None)
     groups = sum(degree > 1 for degree in (fsdp, tp, ep))
@@ -260,7 +270,7 @@ def estimate(
         name = preset if isinstance(preset, str) else "plan"
         if measured:
             say(f"stepping {name} through parallelize over {fsdp * tp} fake ranks")
-            ran = rank_step(shape, preset, fsdp, accel.name, settings, tp=tp, training=training)
+            ran = rank_step(shape, preset, fsdp, accel.name, settings, tp=tp, training=training, ep=ep)
             static = ran.resident_bytes
             row = EstimateRow(
                 preset=name,
@@ -307,7 +317,7 @@ def estimate(
             else [int(min(b + reserve + outside, accel.memory_bytes)) for b in planner.budgets]
         )
         for target in targets:
-            row = _plan_within(planner, target, outside, step, say, refused)
+            row = plan_within(planner, target, outside, step, say, refused)
             if row is not None:
                 rows.append(row)
     none_seconds = next((r.seconds for r in rows if r.preset == "none"), None)
@@ -327,6 +337,7 @@ def estimate(
     ]
     if measured:
         layout = f"FSDP2 over {fsdp}" + (f" x TP {tp} with sequence parallelism" if tp > 1 else "")
+        layout += f", experts over the same {ep} (left out of FSDP)" if ep > 1 else ""
         method = f"{layout} on a fake process group, {training.optimizer}, steady (2nd) step"
         notes.append(
             f"measured through actplan.parallelize: {layout} over {fsdp * tp} fake rank(s), bf16 "
@@ -339,8 +350,9 @@ def estimate(
             "static memory is a formula: 16 bytes per parameter (fp32 parameter, gradient, AdamW "
             f"moments) over {fsdp} FSDP rank(s)"
             + (f" (experts over {fsdp // ep})" if ep > 1 else "")
-            + f", plus two gathered units' {shape.dtype} parameters (expert parallelism does not "
-            "run on the fake process group yet)"
+            + f", plus two gathered units' {shape.dtype} parameters (actplan.parallelize runs "
+            "experts over every FSDP rank without TP; this layout is not one, so it is not run on the "
+            "fake process group)"
         )
         if tp > 1:
             too_many = human_bytes(4 * shape.seq * shape.batch * shape.hidden * (1 - 1 / tp))
@@ -350,7 +362,10 @@ def estimate(
                 f"1/{tp} of them: up to {too_many} per layer too many"
             )
     if ep > 1:
-        notes.append(f"experts over {ep} ranks: routing assumed balanced")
+        notes.append(
+            f"experts over {ep} ranks: routing assumed balanced"
+            + (", every rank routing as this one (the same tokens sent as received)" if measured else "")
+        )
     notes.append(
         f"code measured: {shape.code if measured else rank_shape.code}"
         + ("; plans profiled on one tensor-parallel rank's share of it" if plans and tp > 1 else "")
@@ -383,7 +398,8 @@ def estimate(
         budget_bytes=budget_bytes,
         method=method,
         parameters_scope=(
-            f"in the model, sharded over {fsdp * tp} ranks"
+            (f"in this rank's model (1/{ep} of the experts), sharded over {fsdp}" if ep > 1 else "")
+            or f"in the model, sharded over {fsdp * tp} ranks"
             if measured
             else f"in this rank's layers (TP {tp}, EP {ep}), before FSDP"
         ),
@@ -395,6 +411,11 @@ def estimate(
     )
 
 
+def _experts_measured(shape: Shape, fsdp: int, tp: int, ep: int) -> bool:
+    """Whether an expert-parallel layout runs through the real code path (``rank_step``)."""
+    return ep == fsdp and tp == 1 and shape.model == "moe" and shape.hf_config is None
+
+
 def _formula(sizes: _Sizes, fsdp: int, ep: int, itemsize: int) -> tuple[int, int, list[tuple[int, int]]]:
     """The stated formula's static and gathered bytes, and the tensors it stands for as
     ``(numel, shards)``: non-expert parameters over ``fsdp`` ranks, experts over ``fsdp/ep``."""
@@ -402,46 +423,3 @@ def _formula(sizes: _Sizes, fsdp: int, ep: int, itemsize: int) -> tuple[int, int
     static = 16 * dense_params // fsdp + 16 * sizes.expert_parameters * ep // fsdp
     tensors = [(numel, fsdp // ep if expert else fsdp) for numel, expert in sizes.tensors]
     return static, 2 * sizes.largest_unit * itemsize, tensors
-
-
-_PLAN_TRIES = 6
-
-
-def _plan_within(planner, target, outside, step, say, refused) -> EstimateRow | None:
-    """The planner's plan for ``target`` bytes of GPU memory: it plans requested bytes, so the
-    plan is stepped, and while its reserved bytes (plus ``outside``) exceed ``target`` it plans
-    again under a budget lowered by the excess (and by at least the stepped plan's reserve
-    beyond its requested bytes), at most ``_PLAN_TRIES`` times."""
-    allowed = target - outside
-    row = None
-    if allowed <= 0:
-        refused.append(
-            f"no plan fits a budget of {human_bytes(target)}: the CUDA context and NCCL's buffers "
-            f"alone take {human_bytes(outside)}, outside the allocator"
-        )
-        return None
-    for _ in range(_PLAN_TRIES):
-        if row is not None and allowed < planner.minimum:
-            # The lowered budget is below every plan: the plan that holds least is the last try.
-            allowed = planner.minimum
-        try:
-            config, predicted_peak, predicted_ratio = planner.plan(allowed, target)
-        except BudgetError as err:
-            refused.append(str(err))  # the feasible range, said in the notes
-            break
-        say(f"stepping the plan for {human_bytes(target)}")
-        row = step(config)
-        row.preset = f"plan @ {human_bytes(target)}"
-        row.budget_bytes = target
-        row.predicted_peak_bytes = int(predicted_peak)
-        row.predicted_ratio = predicted_ratio
-        row.plan_yaml = config.to_yaml()
-        excess = row.reserved_peak_bytes + outside - target
-        if excess <= 0:
-            break
-        # Lower by the excess, and at least leave room for this plan's own reserve (reserved
-        # beyond requested), which the planner does not see.
-        if allowed == planner.minimum:
-            break  # the plan that holds least does not fit either
-        allowed = min(allowed - excess, target - outside - (row.reserved_peak_bytes - row.peak_bytes))
-    return row

@@ -94,11 +94,18 @@ NOTES = """\
   layouts run through the real code path (FSDP2, TP with sequence parallelism and loss
   parallel, on torch's fake process group); the figure is the caching-allocator model's peak
   reserved bytes over the two steps.
-- **The model is actplan's reference decoder, not the run's own code.** It has QK-norms (as
-  Qwen3 has; Llama 3 has none), and its own RoPE and RMSNorm code. Without checkpointing every
-  tensor such code saves counts, which is where the reference model
-  differs most from torchtitan's Llama (E6). Building torchtitan's or transformers' own model
-  class on fake tensors is the next step (issue 32, item 2).
+- **Two codes on the FSDP layouts.** 'ours' steps actplan's reference decoder (QK-norms, which
+  Llama 3 lacks; its own RoPE and RMSNorm). 'torchtitan's code' steps torchtitan's own model of
+  the flavour (`--titan llama3:8B`, `qwen3:32B`: complex fp32 RoPE, fused QKV, its RMSNorm and
+  its fp32 loss), SDPA standing in for FlexAttention. Within 5%: five of seven either way
+  (E1 -0.4%, E2 +1.2%, E3 +4.5%, E8a +1.2%, E8b +3.9% with torchtitan's code). It is torchtitan
+  0.3's code, not the code of each run's date (2024 and 2025), and it holds 2-3 GiB more than
+  the reference decoder with checkpointing and 1.4 GiB less without (E6); which of its tensors
+  make the difference was not traced. Tensor parallel runs (T, C3) step the reference decoder only:
+  torchtitan applies TP in its own `parallelize`, which the estimate does not run.
+- **E6 (no checkpointing) stays a miss with either code** (+16.4%, +14.6%): every tensor the
+  forward saves counts there, so it is the case most sensitive to the code of its date
+  (2024-07); the cause is not found.
 - **Tensor parallel runs** (T1-T3, C3) are within 5% but T2 (-10.7%, whose GPU and local batch
   are inferred). Until this run they were 17-28% under: the memory meter, a dispatch mode, is
   off the stack while DTensor runs an op, so what DTensor's own handlers allocate went unseen,

@@ -314,6 +314,9 @@ def test_shipped_shapes_load_and_say_where_they_come_from():
         (["--shape", "llama3-8b", "--freeze", "("], "--freeze '(' is not a regular expression"),
         (["--shape", "mixtral-8x7b", "--fsdp", "4", "--ep", "2", "--grad-accum", "2"], "need the measured "
          "path, which this expert-parallel layout does not run on"),
+        (["--shape", "llama3-8b", "--titan", "llama3:8B"], "give one of --shape, --titan, not several"),
+        (["--titan", "llama3:8B", "--heads", "16"], "--heads would change torchtitan's model"),
+        (["--titan", "llama3:8B", "--fsdp", "8", "--tp", "2"], "runs FSDP layouts only"),
     ],
 )  # fmt: skip
 def test_bad_input_is_one_line_naming_the_problem(argv, message, capsys):
@@ -339,6 +342,14 @@ def test_cli_prints_the_table_and_writes_json(tmp_path, capsys):
     assert "fastest under 1GiB: none" in printed
     data = json.loads(out.read_text())
     assert [row["preset"] for row in data["rows"]] == ["none", "full"]
+
+
+def test_cli_names_torchtitans_code_when_it_measured_it(capsys):
+    pytest.importorskip("torchtitan")
+    argv = ["estimate", "--titan", "llama3:debugmodel", "--layers", "2", "--seq", "32", "--batch", "2"]
+    assert main([*argv, "--fsdp", "2", "--presets", "none", "--quiet"]) == 0
+    printed = " ".join(capsys.readouterr().out.split())
+    assert "code measured: torchtitan's own llama3:debugmodel" in printed
 
 
 QWEN3_MOE_CONFIG = {
@@ -780,3 +791,22 @@ def test_a_torchtitan_model_under_tensor_parallelism_is_refused_before_any_work(
 
     with pytest.raises(ValueError, match="runs FSDP layouts only"):
         estimate(shape_from_titan("llama3:debugmodel"), ("none",), fsdp=2, tp=2)
+
+
+def test_a_plan_estimated_on_torchtitans_model_installs_on_that_model():
+    # The plans are profiled on torchtitan's own blocks, so their units and made_for block are
+    # those of the model a torchtitan user trains, and actplan.apply takes the plan there.
+    pytest.importorskip("torchtitan")
+    import actplan
+    from actplan.models.titan import shape_from_titan, titan_model
+
+    shape = shape_from_titan("llama3:debugmodel", layers=2, seq=64, batch=2, dtype="bf16")
+    result = estimate(shape, ("none",), fsdp=2, plans=True)
+    assert result.plans
+    for row in result.plans:
+        config = RecomputeConfig.from_yaml(row.plan_yaml)
+        assert config.made_for.model == "llama3:debugmodel"
+        assert dict(config.made_for.layer_classes) == {"Llama3TransformerBlock": "0-1"}
+        model, _, _ = titan_model(shape)
+        plan = actplan.apply(model.decoder, config)
+        assert [layer.class_name for layer in plan.layers] == ["Llama3TransformerBlock"] * 2

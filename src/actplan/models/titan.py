@@ -9,7 +9,7 @@ The decoder is wrapped so that ``model(**batch)`` is torchtitan's ``cross_entrop
 upcast to fp32, summed) over the batch's tokens, as its trainer scales it. Dense flavours only:
 a flavour with MoE layers is refused. torchtitan is imported when a model is built.
 
-Imports torch and ``models.shape``.
+Imports torch, ``_torch_internals`` and ``models.shape``.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from actplan._torch_internals import FakeTensor
 from actplan.models.shape import Shape
 
 __all__ = ["TitanLoss", "shape_from_titan", "titan_config", "titan_model"]
@@ -121,8 +122,9 @@ def titan_model(shape: Shape) -> tuple[nn.Module, Callable[[int], dict[str, torc
     for layer in config.layers:
         layer.attention.inner_attention = ScaledDotProductAttention.Config()
     decoder = config.build()
-    if torch.get_default_device().type != "meta":
-        decoder.init_states()  # values (RoPE's table among them); on meta there are none
+    weight = next(decoder.parameters())
+    if weight.device.type != "meta" and not isinstance(weight, FakeTensor):
+        decoder.init_states()  # values (RoPE's table among them); meta and fake tensors have none
     model = TitanLoss(decoder.train(), cross_entropy_loss)
 
     def make_batch(seed: int = 0) -> dict[str, torch.Tensor]:

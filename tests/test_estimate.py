@@ -810,3 +810,35 @@ def test_a_plan_estimated_on_torchtitans_model_installs_on_that_model():
         model, _, _ = titan_model(shape)
         plan = actplan.apply(model.decoder, config)
         assert [layer.class_name for layer in plan.layers] == ["Llama3TransformerBlock"] * 2
+
+
+def test_expert_weights_fsdp_leaves_out_are_cast_by_the_module_or_refused():
+    """(Here, not in test_parallel, whose tests keep a process group: this one starts torch's
+    fake group.) Under a mixed-precision policy FSDP casts the parameters it gathers; expert-parallel
+    weights, which it leaves out, are cast by their module's ``compute_dtype``, and a module
+    without one is refused (its GEMMs would meet bf16 activations with fp32 weights)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from actplan._install.parallel import parallelize
+    from actplan.models import build_model
+    from actplan.planning._rank_step import fake_world
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+    class Experts(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(2, 4, 4))
+            self.expert_parallel_group = dist.group.WORLD
+
+    with fake_world(2):
+        mesh = init_device_mesh("cpu", (2,))
+        with torch.device("meta"):
+            moe = build_model("moe", "tiny", ep_group=dist.group.WORLD).model
+        parallelize(moe, mesh, "none", mp_policy=policy)
+        experts = [m for m in moe.modules() if getattr(m, "expert_parallel_group", None) is not None]
+        assert experts and all(m.compute_dtype == torch.bfloat16 for m in experts)
+        with pytest.raises(ValueError, match="give the module a `compute_dtype` attribute"):
+            parallelize(torch.nn.Sequential(Experts()), mesh, "none", mp_policy=policy)

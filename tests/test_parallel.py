@@ -268,30 +268,3 @@ def test_parallelize_compiles_moe_layers_exactly_and_leaves_no_dynamo_flag_on(me
     assert not torch._dynamo.config.capture_dynamic_output_shape_ops
     torch._dynamo.reset()
 
-
-def test_expert_weights_fsdp_leaves_out_are_cast_by_the_module_or_refused():
-    """Under a mixed-precision policy FSDP casts the parameters it gathers; expert-parallel
-    weights, which it leaves out, are cast by their module's ``compute_dtype``, and a module
-    without one is refused (its GEMMs would meet bf16 activations with fp32 weights)."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
-    from actplan.models import build_model
-    from actplan.planning._rank_step import fake_world
-
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-
-    class Experts(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.w = torch.nn.Parameter(torch.zeros(2, 4, 4))
-            self.expert_parallel_group = dist.group.WORLD
-
-    with fake_world(2):
-        mesh = init_device_mesh("cpu", (2,))
-        with torch.device("meta"):
-            moe = build_model("moe", "tiny", ep_group=dist.group.WORLD).model
-        parallelize(moe, mesh, "none", mp_policy=policy)
-        experts = [m for m in moe.modules() if getattr(m, "expert_parallel_group", None) is not None]
-        assert experts and all(m.compute_dtype == torch.bfloat16 for m in experts)
-        with pytest.raises(ValueError, match="give the module a `compute_dtype` attribute"):
-            parallelize(torch.nn.Sequential(Experts()), mesh, "none", mp_policy=policy)

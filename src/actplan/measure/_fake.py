@@ -54,6 +54,7 @@ from actplan._torch_internals import (
     FakeTensorMode,
     OpOverload,
     TorchDispatchMode,
+    op_schema,
     process_group_named,
 )
 from actplan._torch_internals import disable_current_modes as _disable_current_modes
@@ -181,7 +182,7 @@ class _Routing(TorchDispatchMode):
         tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
         if not tensors or not all(_known(t) for t in tensors) or not is_fake(out):
             return
-        if not isinstance(func, OpOverload) or func._schema.is_mutable:
+        if not isinstance(func, OpOverload) or op_schema(func).is_mutable:
             return  # torch itself forgets the values an in-place op writes
         swap = {id(t): t.constant for t in tensors}
         with _disable_current_modes():

@@ -146,24 +146,29 @@ def plan_within(
     step: Callable[[RecomputeConfig], Any],
     say: Callable[[str], None],
     refused: list[str],
-) -> Any:
-    """The planner's plan for ``target`` bytes of GPU memory: it plans requested bytes, so the
-    plan is stepped, and while its reserved bytes (plus ``outside``) exceed ``target`` it plans
-    again under a budget lowered by the excess (and by at least the stepped plan's reserve
-    beyond its requested bytes), at most ``_PLAN_TRIES`` times. ``step`` steps a config and
-    returns its ``EstimateRow``; the last row stepped is returned (``None`` when none was), and a
-    reason no plan fits is appended to ``refused``."""
-    allowed = target - outside
+    gap: int = 0,
+) -> tuple[Any, int]:
+    """The planner's plan for ``target`` bytes of GPU memory. The planner predicts requested
+    bytes; a GPU reserves more (the allocator's rounding and cached blocks), and the step may
+    request a little more than predicted: ``gap`` is how much reserved exceeded the prediction
+    on the last plan stepped (or ``none``'s reserve beyond its requested bytes, to start with).
+    The plan is made for ``target`` less ``outside`` and the gap, stepped, and while its
+    reserved bytes (plus ``outside``) exceed ``target`` it is planned again under a budget
+    lowered by the excess and by the gap this plan showed, at most ``_PLAN_TRIES`` times.
+    ``step`` steps a config and returns its ``EstimateRow``. Returns the last row stepped
+    (``None`` when none was, with the reason appended to ``refused``) and the gap it showed."""
+    usable = target - outside
     row = None
-    if allowed <= 0:
+    if usable <= 0:
         refused.append(
             f"no plan fits a budget of {human_bytes(target)}: the CUDA context and NCCL's buffers "
             f"alone take {human_bytes(outside)}, outside the allocator"
         )
-        return None
+        return None, gap
+    allowed = usable - gap
     for _ in range(_PLAN_TRIES):
-        if row is not None and allowed < planner.minimum:
-            # The lowered budget is below every plan: the plan that holds least is the last try.
+        if allowed < planner.minimum and (row is not None or usable >= planner.minimum):
+            # Below every plan: the plan that holds least is the (last) try.
             allowed = planner.minimum
         try:
             config, predicted_peak, predicted_ratio = planner.plan(allowed, target)
@@ -177,12 +182,9 @@ def plan_within(
         row.predicted_peak_bytes = int(predicted_peak)
         row.predicted_ratio = predicted_ratio
         row.plan_yaml = config.to_yaml()
+        gap = max(0, row.reserved_peak_bytes - int(predicted_peak))
         excess = row.reserved_peak_bytes + outside - target
-        if excess <= 0:
-            break
-        # Lower by the excess, and at least leave room for this plan's own reserve (reserved
-        # beyond requested), which the planner does not see.
-        if allowed == planner.minimum:
-            break  # the plan that holds least does not fit either
-        allowed = min(allowed - excess, target - outside - (row.reserved_peak_bytes - row.peak_bytes))
-    return row
+        if excess <= 0 or allowed == planner.minimum:
+            break  # fits, or the plan that holds least does not fit either
+        allowed = min(allowed - excess, usable - gap)
+    return row, gap

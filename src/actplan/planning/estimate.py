@@ -316,8 +316,9 @@ def estimate(
             if budget_bytes is not None
             else [int(min(b + reserve + outside, accel.memory_bytes)) for b in planner.budgets]
         )
+        gap = reserve  # what a GPU holds beyond the planner's figure, learnt from each plan stepped
         for target in targets:
-            row = plan_within(planner, target, outside, step, say, refused)
+            row, gap = plan_within(planner, target, outside, step, say, refused, gap)
             if row is not None:
                 rows.append(row)
     none_seconds = next((r.seconds for r in rows if r.preset == "none"), None)

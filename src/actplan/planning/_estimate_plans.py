@@ -150,8 +150,9 @@ def plan_within(
 ) -> tuple[Any, int]:
     """The planner's plan for ``target`` bytes of GPU memory. The planner predicts requested
     bytes; a GPU reserves more (the allocator's rounding and cached blocks), and the step may
-    request a little more than predicted: ``gap`` is how much reserved exceeded the prediction
-    on the last plan stepped (or ``none``'s reserve beyond its requested bytes, to start with).
+    request a little more than predicted: ``gap`` is what to expect beyond the prediction at
+    first (the caller gives ``none``'s reserve beyond its requested bytes); each plan stepped
+    then shows its own.
     The plan is made for ``target`` less ``outside`` and the gap, stepped, and while its
     reserved bytes (plus ``outside``) exceed ``target`` it is planned again under a budget
     lowered by the excess and by the gap this plan showed, at most ``_PLAN_TRIES`` times.

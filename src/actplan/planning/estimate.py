@@ -316,9 +316,10 @@ def estimate(
             if budget_bytes is not None
             else [int(min(b + reserve + outside, accel.memory_bytes)) for b in planner.budgets]
         )
-        gap = reserve  # what a GPU holds beyond the planner's figure, learnt from each plan stepped
         for target in targets:
-            row, gap = plan_within(planner, target, outside, step, say, refused, gap)
+            # Each budget starts from none's reserve: under TP the planner's figure is off by an
+            # amount that changes with the plan, so a gap learnt on another budget misleads.
+            row, _ = plan_within(planner, target, outside, step, say, refused, reserve)
             if row is not None:
                 rows.append(row)
     none_seconds = next((r.seconds for r in rows if r.preset == "none"), None)

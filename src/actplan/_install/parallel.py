@@ -201,14 +201,13 @@ def _expert_parallel_params(
     if not expert_modules:
         return set()
     dtype = None if mp_policy is None else mp_policy.param_dtype
-    if dtype is not None:
-        for module in expert_modules:
-            if not hasattr(module, "compute_dtype"):
-                raise ValueError(
-                    f"{type(module).__name__} holds expert-parallel weights, which FSDP leaves out "
-                    f"and so does not cast to mp_policy's param_dtype ({dtype}); give the module a "
-                    "`compute_dtype` attribute its forward casts its weights to, or pass no mp_policy"
-                )
+    uncast = [m for m in expert_modules if dtype is not None and not hasattr(m, "compute_dtype")]
+    if uncast:
+        raise ValueError(
+            f"{type(uncast[0]).__name__} holds expert-parallel weights, which FSDP leaves out "
+            f"and so does not cast to mp_policy's param_dtype ({dtype}); give the module a "
+            "`compute_dtype` attribute its forward casts its weights to, or pass no mp_policy"
+        )
     groups = {id(m.expert_parallel_group): m.expert_parallel_group for m in expert_modules}
     if len(groups) != 1:
         raise ValueError("every expert-parallel module must use the same expert-parallel process group")

@@ -131,7 +131,7 @@ def build_for_shape(shape: Shape, ep_group: Any = None) -> ModelBundle:
         if shape.model != "moe" or shape.hf_config is not None or shape.titan is not None:
             raise ValueError(
                 f"expert parallelism over a process group needs the MoE reference model; {shape.name} "
-                f"is {'a transformers config' if shape.hf_config else shape.model}"
+                f"runs {shape.code}"
             )
         return build_model(shape.model, "small", ep_group=ep_group, **shape.model_overrides())
     if shape.titan is not None:

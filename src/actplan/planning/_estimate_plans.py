@@ -146,18 +146,17 @@ def plan_within(
     step: Callable[[RecomputeConfig], Any],
     say: Callable[[str], None],
     refused: list[str],
-    gap: int = 0,
-) -> tuple[Any, int]:
+    reserve: int = 0,
+) -> Any:
     """The planner's plan for ``target`` bytes of GPU memory. The planner predicts requested
     bytes; a GPU reserves more (the allocator's rounding and cached blocks), and the step may
-    request a little more than predicted: ``gap`` is what to expect beyond the prediction at
-    first (the caller gives ``none``'s reserve beyond its requested bytes); each plan stepped
-    then shows its own.
-    The plan is made for ``target`` less ``outside`` and the gap, stepped, and while its
-    reserved bytes (plus ``outside``) exceed ``target`` it is planned again under a budget
-    lowered by the excess and by the gap this plan showed, at most ``_PLAN_TRIES`` times.
-    ``step`` steps a config and returns its ``EstimateRow``. Returns the last row stepped
-    (``None`` when none was, with the reason appended to ``refused``) and the gap it showed."""
+    request a little more than predicted. The first plan is made for ``target`` less
+    ``outside`` and ``reserve`` (the caller gives ``none``'s reserve beyond its requested
+    bytes), then stepped; while its reserved bytes (plus ``outside``) exceed ``target`` it is
+    planned again under a budget lowered by the excess and by the gap between the stepped plan's
+    reserved bytes and its prediction, at most ``_PLAN_TRIES`` times. ``step`` steps a config
+    and returns its ``EstimateRow``. Returns the last row stepped (``None`` when none was, with
+    the reason appended to ``refused``)."""
     usable = target - outside
     row = None
     if usable <= 0:
@@ -165,8 +164,8 @@ def plan_within(
             f"no plan fits a budget of {human_bytes(target)}: the CUDA context and NCCL's buffers "
             f"alone take {human_bytes(outside)}, outside the allocator"
         )
-        return None, gap
-    allowed = usable - gap
+        return None
+    allowed = usable - reserve
     for _ in range(_PLAN_TRIES):
         if allowed < planner.minimum and (row is not None or usable >= planner.minimum):
             # Below every plan: the plan that holds least is the (last) try.
@@ -188,4 +187,4 @@ def plan_within(
         if excess <= 0 or allowed == planner.minimum:
             break  # fits, or the plan that holds least does not fit either
         allowed = min(allowed - excess, usable - gap)
-    return row, gap
+    return row

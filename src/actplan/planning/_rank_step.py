@@ -68,6 +68,7 @@ __all__ = [
     "CUDA_CONTEXT_BYTES",
     "RankStep",
     "check_expert_layout",
+    "expert_layout_refusal",
     "fake_world",
     "formula_trace",
     "install",
@@ -183,19 +184,27 @@ def rank_step(
         return step_on_mesh(shape, preset, mesh, gpu, settings, fake, training, ep > 1, routing)
 
 
-def check_expert_layout(shape: Shape, fsdp: int, tp: int, ep: int) -> None:
-    """Refuses an expert-parallel layout the real code path cannot run, naming why."""
+def expert_layout_refusal(shape: Shape, fsdp: int, tp: int, ep: int) -> str | None:
+    """Why the real code path cannot run an expert-parallel layout, or ``None`` when it can."""
     if ep == 1:
-        return
+        return None
     if ep != fsdp or tp != 1:
-        raise ValueError(
+        return (
             f"actplan.parallelize splits experts over every rank, without tensor parallelism: --ep "
             f"{ep} with --fsdp {fsdp}" + (f" and --tp {tp}" if tp > 1 else "") + " is not such a layout"
         )
-    if shape.model != "moe" or shape.hf_config is not None:
-        raise ValueError(f"expert parallelism runs on the MoE reference model; {shape.name} is not one")
+    if shape.model != "moe" or shape.hf_config is not None or shape.titan is not None:
+        return f"expert parallelism runs on the MoE reference model; {shape.name} is not one"
     if shape.experts % ep:
-        raise ValueError(f"--ep {ep} must divide experts ({shape.experts}); choose a divisor")
+        return f"--ep {ep} must divide experts ({shape.experts}); choose a divisor"
+    return None
+
+
+def check_expert_layout(shape: Shape, fsdp: int, tp: int, ep: int) -> None:
+    """Refuses an expert-parallel layout the real code path cannot run, naming why."""
+    refusal = expert_layout_refusal(shape, fsdp, tp, ep)
+    if refusal is not None:
+        raise ValueError(refusal)
 
 
 def layout_mesh(fsdp: int, tp: int) -> DeviceMesh:

@@ -64,6 +64,7 @@ from actplan.models.shape import DTYPES, Shape
 from actplan.planning._estimate_plans import default_dtype, plan_within, plans_for
 from actplan.planning._rank_step import (
     CUDA_CONTEXT_BYTES,
+    expert_layout_refusal,
     formula_trace,
     install,
     nccl_bytes,
@@ -243,7 +244,7 @@ def estimate(
             "parallelism in its own parallelize functions, which the estimate does not run yet; drop "
             "--tp and --ep, or estimate the shape with --shape or --hf-config"
         )
-    measured = ep == 1 or _experts_measured(shape, fsdp, tp, ep)
+    measured = ep == 1 or expert_layout_refusal(shape, fsdp, tp, ep) is None
     if not measured and training != DEFAULT_TRAINING:
         raise ValueError(
             "--optimizer, --optimizer-impl, --grad-accum and --freeze need the measured path, which this "
@@ -319,7 +320,7 @@ def estimate(
         for target in targets:
             # Each budget starts from none's reserve: under TP the planner's figure is off by an
             # amount that changes with the plan, so a gap learnt on another budget misleads.
-            row, _ = plan_within(planner, target, outside, step, say, refused, reserve)
+            row = plan_within(planner, target, outside, step, say, refused, reserve)
             if row is not None:
                 rows.append(row)
     none_seconds = next((r.seconds for r in rows if r.preset == "none"), None)
@@ -411,11 +412,6 @@ def estimate(
         seconds_taken=time.perf_counter() - started,
         notes=notes,
     )
-
-
-def _experts_measured(shape: Shape, fsdp: int, tp: int, ep: int) -> bool:
-    """Whether an expert-parallel layout runs through the real code path (``rank_step``)."""
-    return ep == fsdp and tp == 1 and shape.model == "moe" and shape.hf_config is None
 
 
 def _formula(sizes: _Sizes, fsdp: int, ep: int, itemsize: int) -> tuple[int, int, list[tuple[int, int]]]:

@@ -39,6 +39,16 @@ class RegionPhase(enum.Enum):
     DONE = "done"
 
 
+class Fate(enum.Enum):
+    """What becomes of a held output (``ledger.Ledger`` keeps one record per fate)."""
+
+    PENDING = "pending"  # made in the open segment, not yet proven read or unread
+    UNDECIDED = "undecided"  # still referenced when its segment closed: may yet be read
+    WAITING = "waiting"  # unread, alive while a cheap op that read it has an unsettled output
+    HELD = "held"  # the replay is served it
+    RELEASED = "released"  # dropped (a placeholder stands in), rerun instead, or served
+
+
 class PhasedRegion(Protocol):
     """What ``PhaseContext`` drives: a region's forward, its replay, and their end."""
 
@@ -99,6 +109,7 @@ class HeldOutput:
     # local shard): how to rebuild it around a placeholder. ``storage``, ``meta`` and ``version``
     # are then the inner tensor's: that is what holding it costs and what writes change.
     wrapped: Wrapped | None = None
+    fate: Fate = Fate.PENDING
 
 
 @dataclass(frozen=True)
@@ -215,30 +226,45 @@ def inner_tensors(tensor: torch.Tensor):
             yield from inner_tensors(getattr(tensor, name))
 
 
-def dense_leaves(args: tuple, kwargs: dict):
-    """An op's plain tensor arguments, looking through wrapper subclasses to their inner tensors."""
-    for leaf in tensor_args(args, kwargs):
-        if is_dense_tensor(leaf):
-            yield leaf
-        else:
-            yield from inner_tensors(leaf)
+def leaf_tensors(tensor: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+    """The plain tensors an op reads through one tensor argument: the tensor itself, or a
+    traceable wrapper subclass's inner tensors (recursively); none for a parameter (not an
+    activation). ``None`` for a subclass the engine cannot look into: it may read anything.
+    The engine's one answer to "which storages does this op read?"."""
+    if is_dense_tensor(tensor):
+        return (tensor,)
+    if isinstance(tensor, nn.Parameter):
+        return ()
+    if not is_traceable_wrapper_subclass(tensor):
+        return None
+    found: list[torch.Tensor] = []
+    names, _ = tensor.__tensor_flatten__()
+    for name in names:
+        inner = leaf_tensors(getattr(tensor, name))
+        if inner is None:
+            return None
+        found.extend(inner)
+    return tuple(found)
 
 
-def input_storages(args: tuple, kwargs: dict) -> tuple[int, ...] | None:
-    """The storages of an op's tensor arguments other than parameters (and their views), looking
-    through one-tensor wrapper subclasses; ``None`` if one is a subclass it cannot look into."""
+def leaf_storages(tensor: torch.Tensor) -> list[int] | None:
+    """The storages of ``leaf_tensors`` (meta tensors left out: they hold no activation)."""
+    found = leaf_tensors(tensor)
+    if found is None:
+        return None
+    return [storage_key_of(inner.untyped_storage()) for inner in found if inner.device.type != "meta"]
+
+
+def storages_read(args: tuple, kwargs: dict) -> list[int] | None:
+    """The storages of an op's tensor arguments other than parameters (and their views), through
+    ``leaf_tensors``; ``None`` if one is a subclass the engine cannot look into."""
     keys = []
     for leaf in tensor_args(args, kwargs):
-        if isinstance(leaf, nn.Parameter):
-            continue
-        if not is_dense_tensor(leaf):
-            found = single_inner(leaf)
-            if found is None:
-                return None
-            leaf = found[1]
-        if not is_parameter(leaf):
-            keys.append(storage_key_of(leaf.untyped_storage()))
-    return tuple(keys)
+        found = leaf_tensors(leaf)
+        if found is None:
+            return None
+        keys.extend(storage_key_of(inner.untyped_storage()) for inner in found if not is_parameter(inner))
+    return keys
 
 
 def tensor_args(args: tuple, kwargs: dict):

@@ -1,0 +1,273 @@
+"""The eager engine's ledger of held outputs: what becomes of each output a kept op made.
+
+Every ``HeldOutput`` has one ``Fate`` at a time, and sits in the one record that fate names:
+
+* ``PENDING``: made in the open segment, not yet proven read or unread;
+* ``UNDECIDED``: still referenced when its segment closed, so it may yet be read;
+* ``WAITING``: unread and unreferenced, kept alive only while a cheap op that read it has an
+  output whose fate is unknown (``cheap.CheapReruns`` decides which of the two to hold);
+* ``HELD``: the replay is served it;
+* ``RELEASED``: dropped (the replay gets a placeholder), rerun instead, or served.
+
+The ledger counts the region's references to each storage (one reference-count path,
+``_unref``) and indexes live outputs by storage, so "the outputs at this storage" is one lookup.
+Its sweeps settle what the ops so far prove: a storage autograd packed is held; one nothing
+references, packs or pins any more is dropped (after asking the cheap-op rule).
+
+Imports ``held`` (the records), ``_torch_internals``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from actplan._engine.held import Fate, HeldOutput
+from actplan._torch_internals import storage_use_count
+
+if TYPE_CHECKING:
+    from actplan._engine.cheap import CheapReruns
+    from actplan._engine.probe import LearningProbe
+
+_PENDING, _UNDECIDED, _WAITING, _HELD, _RELEASED = (
+    Fate.PENDING, Fate.UNDECIDED, Fate.WAITING, Fate.HELD, Fate.RELEASED,
+)  # fmt: skip
+
+
+class Ledger:
+    """Held outputs of one checkpointed call, by fate, with the evidence that settles them.
+
+    ``packed``: storages autograd saved (read by backward). ``pinned``: storages an op the replay
+    reruns read, with the saved-tensor count at the first such read (-1: unknown). ``exposed``:
+    undecided storages alive when an unwatched segment began, with the count then."""
+
+    def __init__(self, on_mutated: Callable[[HeldOutput], Exception], python_refs: int) -> None:
+        self.on_mutated = on_mutated  # the error for a held output written in place
+        self.python_refs = python_refs
+        self.pending: dict[int, list[HeldOutput]] = {}
+        self.undecided: dict[int, list[HeldOutput]] = {}
+        self.waiting: dict[int, list[HeldOutput]] = {}
+        self.held: dict[int, HeldOutput] = {}  # by id(), in the order they were held
+        self.at: dict[int, list[HeldOutput]] = {}  # live (not released) outputs by storage
+        self.refs: dict[int, int] = {}  # storage -> live outputs and their tracked aliases
+        self.packed: set[int] = set()
+        self.pinned: dict[int, int] = {}
+        self.exposed: dict[int, int] = {}
+        self.cheap: CheapReruns | None = None  # set by the region
+        self.probe: LearningProbe | None = None  # set while the call learns its layout
+
+    # -- records ------------------------------------------------------------------------------
+
+    def add(self, held: HeldOutput, settled: bool) -> None:
+        """Record a new output: held at once (``settled``) or pending."""
+        key = held.storage
+        count = self.refs.get(key)
+        if count is None:
+            # A new storage: what was packed, pinned or read at this address before is gone.
+            self.packed.discard(key)
+            self.pinned.pop(key, None)
+            self.cheap.forget_storage(key)
+            self.refs[key] = 1
+            self.at[key] = [held]
+        else:
+            self.refs[key] = count + 1
+            self.at[key].append(held)
+        if settled:
+            held.fate = _HELD
+            self.held[id(held)] = held
+        else:
+            held.fate = _PENDING
+            found = self.pending.get(key)
+            if found is None:
+                self.pending[key] = [held]
+            else:
+                found.append(held)
+
+    def live_at(self, key: int) -> list[HeldOutput]:
+        return self.at.get(key, [])
+
+    def alias(self, held: HeldOutput, tracked, version: int) -> None:
+        """Note an alias of ``held`` that does not share its version counter (one more reference)."""
+        held.aliases = [*(held.aliases or ()), (tracked, version)]
+        self.refs[held.storage] += 1
+
+    def rekey(self, held: HeldOutput, storage: int, nbytes: int) -> None:
+        """``held`` now lives in another storage (a copy taken before an in-place write)."""
+        self.release_aliases(held)
+        self._unref(held.storage, 1)
+        self._unindex(held)
+        held.storage, held.nbytes = storage, nbytes
+        self.refs[storage] = self.refs.get(storage, 0) + 1
+        self.at.setdefault(storage, []).append(held)
+
+    def keep(self, outputs: list[HeldOutput]) -> None:
+        for held in outputs:
+            if held.mutated_by is not None:
+                raise self.on_mutated(held)
+            self._settle(held)
+
+    def wait(self, storage: int, outputs: list[HeldOutput]) -> None:
+        for held in outputs:
+            held.fate = _WAITING
+        self.waiting[storage] = outputs
+
+    def drop(self, outputs: list[HeldOutput]) -> None:
+        probe = self.probe
+        for held in outputs:
+            if held.wrapped is not None and not held.wrapped.rebuilds(held.meta):
+                self._settle(held)  # the replay could not be served a placeholder for it
+                continue
+            if probe is not None and held.value is not None:
+                probe.forget_produced(held)  # its storage's address may come back for another
+            self.release(held)
+
+    def release(self, held: HeldOutput) -> None:
+        """Let an output go, from whatever record it is in."""
+        if held.value is None:
+            return
+        self.release_aliases(held)
+        held.value = None
+        self._unref(held.storage, 1)
+        self._unindex(held)
+        fate, held.fate = held.fate, _RELEASED
+        if fate is _HELD:
+            self.held.pop(id(held), None)
+            return
+        records = self.pending if fate is _PENDING else self.undecided if fate is _UNDECIDED else self.waiting
+        found = records.get(held.storage)
+        if found is not None and any(h is held for h in found):
+            rest = [h for h in found if h is not held]
+            if rest:
+                records[held.storage] = rest
+            else:
+                del records[held.storage]
+
+    def release_aliases(self, held: HeldOutput) -> None:
+        if held.aliases:
+            self._unref(held.storage, len(held.aliases))
+        held.aliases = None
+
+    def clear(self) -> None:
+        for held in self.held.values():
+            held.value = held.aliases = None
+            held.fate = _RELEASED
+        for records in (self.held, self.pending, self.undecided, self.waiting, self.at, self.refs):
+            records.clear()
+
+    def _settle(self, held: HeldOutput) -> None:
+        held.fate = _HELD
+        self.held[id(held)] = held
+
+    def _unref(self, storage: int, n: int) -> None:
+        count = self.refs[storage] - n
+        if count:
+            self.refs[storage] = count
+        else:
+            del self.refs[storage]
+
+    def _unindex(self, held: HeldOutput) -> None:
+        found = self.at[held.storage]
+        if len(found) == 1:
+            del self.at[held.storage]
+        else:
+            found.remove(held)  # (identity: records compare by identity)
+
+    # -- evidence -----------------------------------------------------------------------------
+
+    def dead(self, storage: int) -> bool:
+        """Nothing besides the region references the storage: nothing can read it any more."""
+        return storage_use_count(storage) <= self.refs[storage] + self.python_refs
+
+    def pin(self, storage: int, saved: int | None) -> None:
+        if storage not in self.pinned:
+            self.pinned[storage] = -1 if saved is None else saved
+
+    def pin_all_undecided(self, saved: int | None) -> None:
+        """An op read something the engine cannot look into: it may read any undecided output."""
+        for storage in (*self.pending, *self.undecided):
+            self.pin(storage, saved)
+
+    # -- sweeps -------------------------------------------------------------------------------
+
+    def sweep_pending(self) -> None:
+        """Before each kept op: let the open segment's outputs nobody references go at once."""
+        packed, pinned, pending = self.packed, self.pinned, self.pending
+        for storage in list(pending):
+            outputs = pending.get(storage)  # (a cheap op's output may have gone meanwhile)
+            if outputs is None:
+                continue
+            if storage in packed:
+                del pending[storage]
+                self.keep(outputs)
+            elif storage not in pinned and self.dead(storage):
+                del pending[storage]
+                self.drop_unread(storage, outputs)
+        if self.waiting:
+            self.cheap.revisit(final=False)
+
+    def sweep(self, closing: bool) -> None:
+        """Settle what the watched ops so far prove: saved by autograd (held), or unreferenced
+        and unread (dropped). ``closing``: the segment closes, so what is pending becomes
+        undecided. Outputs a rerun op read are settled when the forward ends."""
+        packed, pinned, exposed, pending, undecided = (
+            self.packed, self.pinned, self.exposed, self.pending, self.undecided,
+        )  # fmt: skip
+        for storage in list(pending):
+            outputs = pending.get(storage)
+            if outputs is None:
+                continue
+            if storage in packed:
+                del pending[storage]
+                self.keep(outputs)
+            elif storage not in pinned and self.dead(storage):
+                del pending[storage]
+                self.drop_unread(storage, outputs)
+            elif closing:
+                del pending[storage]
+                for held in outputs:
+                    held.fate = _UNDECIDED
+                undecided.setdefault(storage, []).extend(outputs)
+        for storage in list(undecided):
+            outputs = undecided.get(storage)
+            if outputs is None:
+                continue
+            if storage in packed:
+                del undecided[storage]
+                self.keep(outputs)
+            elif storage not in exposed and storage not in pinned and self.dead(storage):
+                del undecided[storage]
+                self.drop_unread(storage, outputs)
+        if self.waiting:
+            self.cheap.revisit(final=False)
+
+    def expose(self, saved: int | None) -> None:
+        """An unwatched segment begins: what is still referenced may be read there unseen."""
+        self.sweep(closing=False)
+        for storage in self.undecided:
+            self.exposed.setdefault(storage, -1 if saved is None else saved)
+        if self.waiting:
+            self.cheap.revisit(final=False)  # an exposed output counts as read
+
+    def end_forward(self, saved: int | None) -> None:
+        """The forward ended: decide every output still undecided or waiting."""
+        self.sweep(closing=False)
+        for storage in list(self.undecided):
+            outputs = self.undecided.pop(storage, None)
+            if outputs is None:
+                continue  # released meanwhile: a cheap op's output, rerun instead
+            # Held only if a rerun op read it, or an unwatched segment it was exposed to runs,
+            # before the replay stops (at the last saved tensor).
+            reads = [c for c in (self.exposed.get(storage), self.pinned.get(storage)) if c is not None]
+            if reads and (saved is None or min(reads) < saved):  # (-1: unknown, so held)
+                self.keep(outputs)
+                continue
+            self.drop_unread(storage, outputs)
+        if self.waiting:
+            self.cheap.revisit(final=True)
+        self.cheap.rerun_at_end()
+
+    def drop_unread(self, storage: int, outputs: list[HeldOutput]) -> None:
+        # Nothing references or reads these outputs any more; the cheap-op rule may hold them
+        # instead of what a cheap op made from them, or let them wait.
+        if not self.cheap.take_unread(storage, outputs):
+            self.drop(outputs)

@@ -276,8 +276,12 @@ def test_whole_model_compile_after_apply_honours_the_plan(kind):
         report = compare_steps(baseline_step, captured)
         assert report.ok, (kind, config, report.worst_param, report.max_abs_grad_diff)
         if config != "none":
+            # Never more than the eager plan, give or take a few KiB; it may hold less: the traced
+            # engine leaves a cheap op reading a held output to the partitioner, which recomputes
+            # it where the eager engine holds it (hf-llama `matmuls`: 191,368 against 208,392).
             tolerance = max(0.04 * eager_bytes, 16384)
-            assert abs(whole_bytes - eager_bytes) <= tolerance, (config, eager_bytes, whole_bytes)
+            assert whole_bytes <= eager_bytes + tolerance, (config, eager_bytes, whole_bytes)
+            assert whole_bytes >= eager_bytes * 0.8, (config, eager_bytes, whole_bytes)
         held[config] = whole_bytes
     assert held["full"] < held["matmuls"] < held["none"], held
     assert held["full"] < held["none"] / 2, held

@@ -667,7 +667,7 @@ class UnreadKeptOutput(nn.Module):
 @pytest.mark.xfail(
     strict=True,
     reason=(
-        "fast-path limitation, by design (scoped.py docstring, ScopedRegion._expose): the segment "
+        "fast-path limitation, by design (ScopedRegion._open_segment, unwatched): the segment "
         "after the kept unit is not watched, so up's output, still referenced there, might be read "
         "unseen; since down(x) saves a tensor after it, the learnt path holds it (256 bytes) that the "
         "learning call dropped, and the step holds more activation memory than no checkpointing"

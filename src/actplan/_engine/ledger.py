@@ -20,18 +20,51 @@ Imports ``held`` (the records), ``_torch_internals``.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
-from actplan._engine.held import Fate, HeldOutput
-from actplan._torch_internals import storage_use_count
+import torch
 
-if TYPE_CHECKING:
-    from actplan._engine.cheap import CheapReruns
-    from actplan._engine.probe import LearningProbe
+from actplan._engine.held import (
+    Fate,
+    HeldOutput,
+    Wrapped,
+    inner_tensors,
+    is_dense_tensor,
+    is_parameter,
+    leaf_tensors,
+    tensor_args,
+    wrapper_alias,
+)
+from actplan._torch_internals import storage_key_of, storage_use_count, tensor_version
+from actplan.units import MarkerInterval
 
 _PENDING, _UNDECIDED, _WAITING, _HELD, _RELEASED = (
     Fate.PENDING, Fate.UNDECIDED, Fate.WAITING, Fate.HELD, Fate.RELEASED,
 )  # fmt: skip
+
+
+class UnreadRule(Protocol):
+    """What the ledger asks before it drops an unread output (``cheap.CheapReruns``)."""
+
+    def forget_storage(self, key: int) -> None: ...
+
+    def take_unread(self, storage: int, outputs: list[HeldOutput]) -> bool: ...
+
+    def revisit(self, final: bool) -> None: ...
+
+    def rerun_at_end(self) -> None: ...
+
+
+class ProducedLog(Protocol):
+    """A learning call's record of what kept ops produced (``probe.LearningProbe``)."""
+
+    def produced_by(self, held: HeldOutput) -> None: ...
+
+    def forget_produced(self, held: HeldOutput) -> None: ...
+
+
+def _unguarded(held: HeldOutput) -> Exception:
+    return RuntimeError(f"an output of {held.producer} was written in place after it was held")
 
 
 class Ledger:
@@ -41,8 +74,10 @@ class Ledger:
     reruns read, with the saved-tensor count at the first such read (-1: unknown). ``exposed``:
     undecided storages alive when an unwatched segment began, with the count then."""
 
-    def __init__(self, on_mutated: Callable[[HeldOutput], Exception], python_refs: int) -> None:
-        self.on_mutated = on_mutated  # the error for a held output written in place
+    def __init__(self, saved_count: Callable[[], int | None], python_refs: int) -> None:
+        # The error for a held output written in place (``guard.WriteGuard.mutation``).
+        self.on_mutated: Callable[[HeldOutput], Exception] = _unguarded
+        self.saved_count = saved_count  # tensors autograd saved so far in this call (None: unknown)
         self.python_refs = python_refs
         self.pending: dict[int, list[HeldOutput]] = {}
         self.undecided: dict[int, list[HeldOutput]] = {}
@@ -53,10 +88,50 @@ class Ledger:
         self.packed: set[int] = set()
         self.pinned: dict[int, int] = {}
         self.exposed: dict[int, int] = {}
-        self.cheap: CheapReruns | None = None  # set by the region
-        self.probe: LearningProbe | None = None  # set while the call learns its layout
+        self.cheap: UnreadRule | None = None  # set by the region
+        self.probe: ProducedLog | None = None  # set while the call learns its layout
 
     # -- records ------------------------------------------------------------------------------
+
+    def hold_tensor(
+        self, func: Any, alias, inner, interval: MarkerInterval | None, routing: bool, wrapped: Wrapped | None
+    ) -> HeldOutput:
+        """Record one output of a held op: ``alias`` (a detached alias) is what the replay is
+        served, ``inner`` the plain tensor whose storage it costs.
+
+        Routing and device-to-host outputs are held whatever reads them, and so are integer and
+        boolean outputs (ids, counts, masks): Python may read those without the dispatcher
+        seeing it (``counts.tolist()`` for split sizes), and they are small. A collective's
+        floating-point output is held while read, like a kept op's: dropped, it is not rerun
+        either (the replay gets a placeholder), and an all-gather read only by the held ``cat``
+        after it would otherwise be held twice."""
+        storage = inner.untyped_storage()
+        held = HeldOutput(
+            value=alias,
+            interval=interval,
+            storage=storage_key_of(storage),
+            nbytes=storage.nbytes(),
+            version=tensor_version(inner),
+            meta=(inner.size(), inner.stride(), inner.dtype, inner.device),
+            producer=func,
+            routing=routing,
+            wrapped=wrapped,
+        )
+        self.add(held, settled=routing or not (inner.is_floating_point() or inner.is_complex()))
+        if self.probe is not None:
+            self.probe.produced_by(held)
+        return held
+
+    def hold_wrapper(
+        self, func: Any, leaf: torch.Tensor, interval: MarkerInterval | None
+    ) -> HeldOutput | None:
+        """A wrapper-subclass output around one plain tensor, held by that tensor's storage;
+        ``None`` when it cannot be (the caller holds it as it is)."""
+        found = wrapper_alias(leaf)
+        if found is None:
+            return None
+        alias, inner, wrapped = found
+        return self.hold_tensor(func, alias, inner, interval, False, wrapped)
 
     def add(self, held: HeldOutput, settled: bool) -> None:
         """Record a new output: held at once (``settled``) or pending."""
@@ -174,6 +249,60 @@ class Ledger:
 
     # -- evidence -----------------------------------------------------------------------------
 
+    def reads_held(self, args, kwargs) -> bool:
+        """Whether an op reads an output this call holds (any fate but released)."""
+        refs = self.refs
+        if not refs:
+            return False
+        for leaf in tensor_args(args, kwargs):
+            if is_dense_tensor(leaf):
+                if storage_key_of(leaf.untyped_storage()) in refs:
+                    return True
+                continue
+            found = leaf_tensors(leaf)
+            if found is None:
+                return True  # a subclass the engine cannot look into may read anything held
+            if any(storage_key_of(inner.untyped_storage()) in refs for inner in found):
+                return True
+        return False
+
+    def pin_reads(self, args, kwargs) -> None:
+        """An op the replay reruns reads its inputs: pin the undecided outputs among them (what
+        is already held stays held)."""
+        pending, undecided, pinned = self.pending, self.undecided, self.pinned
+        for leaf in tensor_args(args, kwargs):
+            found = (leaf,) if is_dense_tensor(leaf) else leaf_tensors(leaf)
+            if found is None:
+                self.pin_all_undecided(self.saved_count())
+                continue
+            for inner in found:
+                storage = storage_key_of(inner.untyped_storage())
+                if (
+                    (storage in pending or storage in undecided)
+                    and storage not in pinned
+                    and inner.device.type != "meta"
+                ):
+                    self.pin(storage, self.saved_count())
+
+    def saved_tensor_hooks(self, outer: tuple, saved_in: dict[int, int] | None) -> Any:
+        """Autograd's saved-tensor hooks for a watched forward segment, around ``outer`` (pack,
+        unpack): note the storages it packs (read by backward), and in ``saved_in`` (a learning
+        call's, for the open kept interval) their sizes."""
+        outer_pack, outer_unpack = outer
+        packed = self.packed
+
+        def pack(tensor: torch.Tensor) -> Any:
+            # A subclass (a DTensor around a held output) saves its inner tensors.
+            for inner in (tensor,) if is_dense_tensor(tensor) else inner_tensors(tensor):
+                storage = inner.untyped_storage()
+                key = storage_key_of(storage)
+                packed.add(key)
+                if saved_in is not None and not is_parameter(inner):
+                    saved_in[key] = storage.nbytes()
+            return outer_pack(tensor)
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, outer_unpack)
+
     def dead(self, storage: int) -> bool:
         """Nothing besides the region references the storage: nothing can read it any more."""
         return storage_use_count(storage) <= self.refs[storage] + self.python_refs
@@ -240,17 +369,19 @@ class Ledger:
         if self.waiting:
             self.cheap.revisit(final=False)
 
-    def expose(self, saved: int | None) -> None:
+    def expose(self) -> None:
         """An unwatched segment begins: what is still referenced may be read there unseen."""
         self.sweep(closing=False)
+        saved = self.saved_count()
         for storage in self.undecided:
             self.exposed.setdefault(storage, -1 if saved is None else saved)
         if self.waiting:
             self.cheap.revisit(final=False)  # an exposed output counts as read
 
-    def end_forward(self, saved: int | None) -> None:
+    def end_forward(self) -> None:
         """The forward ended: decide every output still undecided or waiting."""
         self.sweep(closing=False)
+        saved = self.saved_count()
         for storage in list(self.undecided):
             outputs = self.undecided.pop(storage, None)
             if outputs is None:

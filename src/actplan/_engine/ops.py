@@ -6,7 +6,9 @@ scoped engine (``scoped``) classify ops with it, so neither imports the other.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import enum
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 
@@ -170,6 +172,45 @@ def always_replayed(traits: OpTraits, args, kwargs) -> bool:
 def always_saved(traits: OpTraits, args, kwargs) -> bool:
     """Routing decisions, collectives and device-to-host copies: saved under every plan."""
     return traits.always_saved or (traits.is_to_copy and is_device_to_host(args, kwargs))
+
+
+class Keep(enum.Enum):
+    """What the engine does with one op of a checkpointed layer (``keep_decision``)."""
+
+    RERUN = "rerun"  # the replay runs it again
+    HOLD = "hold"  # its outputs are held while something reads them (never rerun)
+    HOLD_ROUTING = "hold-routing"  # its outputs are held whatever reads them (routing, host copies)
+
+
+def keep_decision(
+    traits: OpTraits,
+    args: Any,
+    kwargs: Any,
+    in_kept: bool,
+    save_collectives: bool,
+    reads_held: Callable[[Any, Any], bool],
+) -> Keep:
+    """The keep rule, for both engines (docs/concepts.md, "The policy", states it as a table).
+
+    ``in_kept``: a kept interval is open. ``reads_held(args, kwargs)``: whether the op reads an
+    output this call holds; asked only when the answer decides (a cheap op in a kept interval).
+    Views, in-place, uninitialised and random ops rerun. A kept interval's expensive ops hold,
+    and so do its cheap ops that read a held output; its other cheap ops rerun (holding their
+    output would cost memory to save a little elementwise work). Routing, collective and
+    device-to-host ops hold anywhere while ``save_collectives`` is on; a collective's
+    floating-point outputs only while read, the others' whatever reads them."""
+    if traits.plain:
+        if in_kept and (traits.expensive or reads_held(args, kwargs)):
+            return Keep.HOLD
+        return Keep.RERUN
+    if always_replayed(traits, args, kwargs):
+        return Keep.RERUN
+    routing = save_collectives and always_saved(traits, args, kwargs)
+    if routing:
+        return Keep.HOLD if traits.collective else Keep.HOLD_ROUTING
+    if in_kept and (traits.expensive or reads_held(args, kwargs)):
+        return Keep.HOLD
+    return Keep.RERUN
 
 
 def _ignored_ops() -> frozenset:

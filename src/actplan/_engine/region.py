@@ -20,13 +20,21 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from actplan._engine.interval_plan import IntervalPlan
 from actplan._engine.learnt import LearntState
-from actplan._engine.ops import _TRAITS, always_replayed, always_saved, op_traits
+from actplan._engine.ops import _TRAITS, Keep, keep_decision, op_traits
 from actplan._torch_internals import storage_key
 from actplan.markers import LAYER_END, MARKER_OP
 from actplan.units import MarkerInterval
 
 _SAVE = CheckpointPolicy.MUST_SAVE
 _RECOMPUTE = CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _partitioner(args: Any, kwargs: Any) -> bool:
+    # The traced engine's answer to "does this cheap kept op read a held output?": it leaves
+    # that to AOTAutograd's partitioner. Tagged PREFER_RECOMPUTE, the op is recomputed in
+    # backward from whatever the graph saves, its MUST_SAVE inputs included, which is what the
+    # eager engine reaches by holding such an op and releasing it at the end of the forward.
+    return False
 
 
 class MarkerError(RuntimeError):
@@ -174,10 +182,11 @@ class MarkerState:
 class TracedRegion(MarkerState):
     """Per-op decisions for torch's selective-checkpoint modes (compiled layers).
 
-    Inside a kept interval an op is ``MUST_SAVE``; routing, collective and
-    device-to-host ops always are; views, in-place, uninitialised and random ops never
-    are; everything else is ``PREFER_RECOMPUTE``. Under ``torch.compile`` these tags
-    reach the partitioner, which saves a tagged output only if the backward graph reads it.
+    ``ops.keep_decision`` tags each op: held ops ``MUST_SAVE`` (a kept interval's expensive
+    ops; routing, collective and device-to-host ops), the rest ``PREFER_RECOMPUTE``. Unlike
+    the eager engine it never holds a cheap op for reading a held output (``_partitioner``).
+    Under ``torch.compile`` these tags reach the partitioner, which saves a tagged output only
+    if the backward graph reads it.
     """
 
     def __init__(self, plan: IntervalPlan, learnt: LearntState, layer_name: str | None = None) -> None:
@@ -201,16 +210,13 @@ class TracedRegion(MarkerState):
             traits = _TRAITS.get(id(func)) or op_traits(func)
             if traits.mutated and self.cached:
                 self._check_mutation(func, traits.mutated, args, kwargs)
-            if always_replayed(traits, args, kwargs):
+            kept, collectives = bool(self.kept), self.plan.save_collectives
+            keep = keep_decision(traits, args, kwargs, kept, collectives, _partitioner)
+            if keep is Keep.RERUN:
                 decision = _RECOMPUTE
-            elif self.kept:
-                decision = _SAVE
-                self._remember(ctx, func, self.kept[-1])
-            elif self.plan.save_collectives and always_saved(traits, args, kwargs):
-                decision = _SAVE
-                self._remember(ctx, func, None)
             else:
-                decision = _RECOMPUTE
+                decision = _SAVE
+                self._remember(ctx, func, self.kept[-1] if self.kept else None)
         self.log[func].append(decision)
         return decision
 

@@ -12,9 +12,8 @@ Where ops run
     Everything else runs at native speed, in forward and in the replay.
 
 What is held
-    Inside a watched segment every output of a *kept* op (any non-view, non-in-place,
-    non-random op of a kept interval, and routing/collective ops anywhere) is held
-    provisionally, then released as soon as it is proven unread:
+    Inside a watched segment every output of an op ``ops.keep_decision`` holds is held
+    provisionally (``ledger.Ledger``), then released as soon as it is proven unread:
 
     * it is *read by backward* when autograd saves it (a saved-tensor hook, pushed only
       for watched segments, records the storages it packs);
@@ -25,11 +24,8 @@ What is held
       storage: at each kept op and when the segment closes, an unreferenced storage that
       nothing packed or pinned is dropped, since nothing can read it any more.
 
-    A cheap op held only because it read a held output is rerun in the replay instead when
-    everything it read stays held: holding its output too would hold both. And when what it
-    read is about to be dropped (nothing references or reads it), it is held instead of the
-    op's output if it is the smaller (a bf16 GEMM output against its fp32 cast) and that output
-    is read; while that is not known yet, it waits, alive, and only while it is the smaller.
+    A cheap op held only because it read a held output never costs both its input and its
+    output: ``cheap.CheapReruns`` keeps the one the replay needs.
 
     What is still referenced when its segment closes is held, unless no tensor was saved
     for backward after that point: the replay stops at the last saved tensor
@@ -39,8 +35,10 @@ What is held
 
 The replay serves each held output once (then lets it go) and refuses a second
 backward through the same forward, as torch's own selective checkpointing does.
-Imports: ``held`` (its records and helpers), ``interval_plan``, ``learnt``, ``ops``, ``region``,
-``_torch_internals``; plus torch.
+
+The other parts: ``guard.WriteGuard`` (in-place writes and aliases) and, while a call learns,
+``probe.LearningProbe``. Imports those, ``ledger``, ``cheap``, ``held``, ``ops``,
+``interval_plan``, ``learnt``, ``region``, ``_torch_internals``; plus torch.
 """
 
 from __future__ import annotations
@@ -57,20 +55,14 @@ from actplan._engine.held import (
     PhaseContext,
     RegionPhase,
     SegmentMode,
-    Wrapped,
-    inner_tensors,
     is_dense_tensor,
-    is_parameter,
-    leaf_tensors,
     make_placeholder,
     storages_read,
-    tensor_args,
-    wrapper_alias,
 )
 from actplan._engine.interval_plan import IntervalPlan
 from actplan._engine.learnt import LearntLayout, LearntState
 from actplan._engine.ledger import Ledger
-from actplan._engine.ops import _TRAITS, always_replayed, always_saved, op_traits
+from actplan._engine.ops import _TRAITS, Keep, keep_decision, op_traits
 from actplan._engine.probe import LearningProbe, held_report
 from actplan._engine.region import MarkerError, MarkerState
 from actplan._torch_internals import (
@@ -81,7 +73,6 @@ from actplan._torch_internals import (
     disable_current_modes,
     python_storage_refs,
     saved_count,
-    storage_key_of,
     tensor_version,
     top_saved_tensors_hooks,
     tree_flatten,
@@ -93,6 +84,7 @@ from actplan.units import MarkerInterval
 _FORWARD, _REPLAY = RegionPhase.FORWARD, RegionPhase.REPLAY
 _ONE, _TUPLE = object(), object()  # an op's output spec: one tensor, or a tuple of tensors
 _Tensor = torch.Tensor
+_RERUN, _HOLD, _HOLD_ROUTING = Keep.RERUN, Keep.HOLD, Keep.HOLD_ROUTING
 
 # The record of an op the replay reruns carries only the op: one per op, shared (never changed).
 _RERUN_ENTRIES: dict[int, Entry] = {}
@@ -142,19 +134,19 @@ class ScopedRegion(MarkerState):
         self.routing_segments: set[int] = set()
         self.forward_mode = self.replay_mode = None  # made on first use, reused per segment
         self.mode: TorchDispatchMode | None = None
-        self.hooks: Any = None
-        self.outer_pack: Any = None
-        self.frame: Any = None
+        self.hooks = self.outer_pack = self.frame = None  # this phase's, while it runs
         # The parts. The hot path reads the ledger's records through these names (same objects).
-        self.ledger = ledger = Ledger(self._mutation, python_storage_refs())
-        self.cheap = ledger.cheap = CheapReruns(ledger)
+        self.ledger = ledger = Ledger(self._saved_so_far, python_storage_refs())
         self.guard = WriteGuard(ledger, plan, self.layer_name)
+        self.cheap = ledger.cheap = CheapReruns(ledger)
+        ledger.on_mutated = self.guard.mutation
         self.probe: LearningProbe | None = LearningProbe() if self.layout is None else None
         ledger.probe = self.probe
         self.pending, self.undecided, self.refs = ledger.pending, ledger.undecided, ledger.refs
+        self._reads_held, self._pin_reads = ledger.reads_held, ledger.pin_reads
         # The replay: the watched ops of the segment it is in, and how far it got.
         self.replay_entries: list[Entry] = []
-        self.cursor = 0
+        self.cursor = 0  # (the replay's own hooks for routing copies: ``guard.replay_hooks``)
         self.replayed = False
 
     def contexts(self) -> tuple[PhaseContext, PhaseContext]:
@@ -171,14 +163,20 @@ class ScopedRegion(MarkerState):
     def _open_segment(self) -> None:
         if self.phase is _FORWARD:
             if not self._watching():
-                self._expose()
+                # What is still referenced may be read unseen here (unless the first call showed
+                # that this segment runs nothing but views).
+                inert = self.layout is not None and self.segment in self.layout.inert_segments
+                if self.undecided and not inert:
+                    self.ledger.expose()
                 return
             self.entries = self.watched[self.segment] = []
             if self.forward_mode is None:
                 self.forward_mode = SegmentMode(self.run_forward_op)
             self.mode = self.forward_mode
             if self.outer_pack is not None:
-                self.hooks = self._forward_hooks()
+                probe = self.probe
+                saved_in = None if probe is None else probe.saved_in.setdefault(self.current_kept, {})
+                self.hooks = self.ledger.saved_tensor_hooks(self.outer_pack, saved_in)
                 self.hooks.__enter__()
             self.mode.__enter__()
         elif self.phase is _REPLAY:
@@ -193,26 +191,6 @@ class ScopedRegion(MarkerState):
                 self.hooks = self.guard.replay_hooks(self.outer_pack)
                 self.hooks.__enter__()
             self.mode.__enter__()
-
-    def _forward_hooks(self) -> Any:
-        # Autograd's saved-tensor hook for a watched forward segment: note the storages it packs.
-        outer_pack, outer_unpack = self.outer_pack
-        packed = self.ledger.packed
-        saved_in = None
-        if self.probe is not None:
-            saved_in = self.probe.saved_in.setdefault(self.current_kept, {})
-
-        def pack(tensor: torch.Tensor) -> Any:
-            # A subclass (a DTensor around a held output) saves its inner tensors.
-            for inner in (tensor,) if is_dense_tensor(tensor) else inner_tensors(tensor):
-                storage = inner.untyped_storage()
-                key = storage_key_of(storage)
-                packed.add(key)
-                if saved_in is not None and not is_parameter(inner):
-                    saved_in[key] = storage.nbytes()
-            return outer_pack(tensor)
-
-        return torch.autograd.graph.saved_tensors_hooks(pack, outer_unpack)
 
     def _close_segment(self) -> None:
         if self.mode is None:
@@ -304,8 +282,8 @@ class ScopedRegion(MarkerState):
             probe = self.probe
             if probe is not None:
                 probe.busy.add(self.segment)
-            interval = self.current_kept
-            if interval is not None and (traits.expensive or self._reads_held(args, kwargs)):
+            interval, reads_held = self.current_kept, self._reads_held
+            if interval is not None and keep_decision(traits, args, kwargs, True, False, reads_held) is _HOLD:
                 if self.pending:
                     self.ledger.sweep_pending()
                 out = func(*args, **kwargs)
@@ -322,21 +300,13 @@ class ScopedRegion(MarkerState):
             return func(*args, **kwargs)
         if not traits.is_view and self.probe is not None:
             self.probe.busy.add(self.segment)
-        routing = self.plan.save_collectives and always_saved(traits, args, kwargs)
-        replayed = always_replayed(traits, args, kwargs)
         interval = self.current_kept
-        # Held: a kept interval's expensive ops, routing ops and ops reading what is held; and
-        # routing ops outside every kept interval. (A cheap op whose inputs the replay recomputes
-        # anyway reruns: holding its output would cost memory to save a little elementwise work.)
-        if not replayed and interval is not None and (
-            traits.expensive or routing or self._reads_held(args, kwargs)
-        ):
-            held = True
-        elif not replayed and routing:
-            held = True
-            self.routing_segments.add(self.segment)
-        else:
-            held = False
+        decision = keep_decision(
+            traits, args, kwargs, interval is not None, self.plan.save_collectives, self._reads_held
+        )
+        held = decision is not _RERUN
+        if held and interval is None:
+            self.routing_segments.add(self.segment)  # a routing op outside every kept interval
         if not held:
             if self.refs and not traits.is_view and not traits.uninitialized:
                 if traits.mutated:
@@ -352,44 +322,10 @@ class ScopedRegion(MarkerState):
         if self.pending:
             self.ledger.sweep_pending()
         out = func(*args, **kwargs)
-        entry = self._hold(func, out, interval, routing and not traits.collective)
-        if interval is not None and not traits.expensive and not routing:
-            self.cheap.note(entry, storages_read(args, kwargs))
+        entry = self._hold(func, out, interval, decision is _HOLD_ROUTING)
+        if interval is not None and not traits.expensive and decision is _HOLD:
+            self.cheap.note(entry, storages_read(args, kwargs))  # held as it reads a held output
         return out
-
-    def _reads_held(self, args, kwargs) -> bool:
-        refs = self.refs
-        if not refs:
-            return False
-        for leaf in tensor_args(args, kwargs):
-            if is_dense_tensor(leaf):
-                if storage_key_of(leaf.untyped_storage()) in refs:
-                    return True
-                continue
-            found = leaf_tensors(leaf)
-            if found is None:
-                return True  # a subclass the engine cannot look into may read anything held
-            if any(storage_key_of(inner.untyped_storage()) in refs for inner in found):
-                return True
-        return False
-
-    def _pin_reads(self, args, kwargs) -> None:
-        # An op the replay reruns reads its inputs: pin the undecided outputs among them (what
-        # is already held stays held).
-        pending, undecided, ledger = self.pending, self.undecided, self.ledger
-        for leaf in tensor_args(args, kwargs):
-            found = (leaf,) if is_dense_tensor(leaf) else leaf_tensors(leaf)
-            if found is None:
-                ledger.pin_all_undecided(self._saved_so_far())
-                continue
-            for inner in found:
-                storage = storage_key_of(inner.untyped_storage())
-                if (
-                    (storage in pending or storage in undecided)
-                    and storage not in ledger.pinned
-                    and inner.device.type != "meta"
-                ):
-                    ledger.pin(storage, self._saved_so_far())
 
     def _hold(self, func, out, interval: MarkerInterval | None, routing: bool) -> Entry:
         if type(out) is _Tensor:
@@ -401,9 +337,9 @@ class ScopedRegion(MarkerState):
         kept: list = []
         for leaf in leaves:
             if is_dense_tensor(leaf) and leaf.device.type != "meta":
-                kept.append(self._hold_tensor(func, detach_alias(leaf), leaf, interval, routing, None))
+                kept.append(self.ledger.hold_tensor(func, detach_alias(leaf), leaf, interval, routing, None))
             elif isinstance(leaf, torch.Tensor):
-                held = None if routing else self._hold_wrapper(func, leaf, interval)
+                held = None if routing else self.ledger.hold_wrapper(func, leaf, interval)
                 kept.append(detach_alias(leaf) if held is None else held)  # else held as it is
             else:
                 kept.append(leaf)
@@ -411,55 +347,12 @@ class ScopedRegion(MarkerState):
         self.entries.append(entry)
         return entry
 
-    def _hold_wrapper(self, func, leaf: torch.Tensor, interval: MarkerInterval | None) -> HeldOutput | None:
-        found = wrapper_alias(leaf)
-        if found is None:
-            return None
-        alias, inner, wrapped = found
-        return self._hold_tensor(func, alias, inner, interval, False, wrapped)
-
-    def _hold_tensor(
-        self, func, alias, inner, interval: MarkerInterval | None, routing: bool, wrapped: Wrapped | None
-    ) -> HeldOutput:
-        # Routing and device-to-host outputs are held whatever reads them, and so are integer and
-        # boolean outputs (ids, counts, masks): Python may read those without the dispatcher
-        # seeing it (``counts.tolist()`` for split sizes), and they are small. A collective's
-        # floating-point output is held while read, like a kept op's: dropped, it is not rerun
-        # either (the replay gets a placeholder), and an all-gather read only by the held ``cat``
-        # after it would otherwise be held twice.
-        storage = inner.untyped_storage()
-        held = HeldOutput(
-            value=alias,
-            interval=interval,
-            storage=storage_key_of(storage),
-            nbytes=storage.nbytes(),
-            version=tensor_version(inner),
-            meta=(inner.size(), inner.stride(), inner.dtype, inner.device),
-            producer=func,
-            routing=routing,
-            wrapped=wrapped,
-        )
-        self.ledger.add(held, settled=routing or not (inner.is_floating_point() or inner.is_complex()))
-        if self.probe is not None:
-            self.probe.produced_by(held)
-        return held
-
-    def _expose(self) -> None:
-        # An unwatched segment begins: what is still referenced may be read there unseen
-        # (unless the first call showed that segment runs nothing but views).
-        if not self.undecided or (self.layout is not None and self.segment in self.layout.inert_segments):
-            return
-        self.ledger.expose(self._saved_so_far())
-
     def _saved_so_far(self) -> int | None:
         return None if self.frame is None else saved_count(self.frame)
 
-    def _mutation(self, held: HeldOutput) -> Exception:
-        return self.guard.mutation(held)
-
     def _end_forward(self) -> None:
         ledger = self.ledger
-        ledger.end_forward(self._saved_so_far())
+        ledger.end_forward()
         if self.probe is not None:
             self.learnt.learn(
                 self.layer,

@@ -63,8 +63,8 @@ class WriteGuard:
         for leaf in tensor_args(args, kwargs):
             found = leaf_tensors(leaf)
             if found is None:
-                ledger.pin_all_undecided(saved)  # it may read any of them
-                continue
+                ledger.pin_all_undecided(saved)  # unseen: it may read any of them
+                found = tuple(t for t in inner_tensors(leaf) if id(t) in written)  # writes still checked
             for inner in found:
                 if inner.device.type == "meta":
                     continue

@@ -227,32 +227,18 @@ def inner_tensors(tensor: torch.Tensor):
 
 
 def leaf_tensors(tensor: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
-    """The plain tensors an op reads through one tensor argument: the tensor itself, or a
-    traceable wrapper subclass's inner tensors (recursively); none for a parameter (not an
-    activation). ``None`` for a subclass the engine cannot look into: it may read anything.
-    The engine's one answer to "which storages does this op read?"."""
+    """The plain tensors an op reads through one tensor argument, as far as the engine sees:
+    the tensor itself; none for a parameter (not an activation); the one plain tensor inside a
+    traceable wrapper subclass around exactly one (a DTensor around its shard: the wrappers the
+    engine can also hold and drop by that tensor). ``None`` for any other subclass (several
+    inner tensors, nested wrappers, not traceable): unseen, it may read anything held. The
+    engine's one answer to "which storages does this op read?"."""
     if is_dense_tensor(tensor):
         return (tensor,)
     if isinstance(tensor, nn.Parameter):
         return ()
-    if not is_traceable_wrapper_subclass(tensor):
-        return None
-    found: list[torch.Tensor] = []
-    names, _ = tensor.__tensor_flatten__()
-    for name in names:
-        inner = leaf_tensors(getattr(tensor, name))
-        if inner is None:
-            return None
-        found.extend(inner)
-    return tuple(found)
-
-
-def leaf_storages(tensor: torch.Tensor) -> list[int] | None:
-    """The storages of ``leaf_tensors`` (meta tensors left out: they hold no activation)."""
-    found = leaf_tensors(tensor)
-    if found is None:
-        return None
-    return [storage_key_of(inner.untyped_storage()) for inner in found if inner.device.type != "meta"]
+    found = single_inner(tensor)
+    return None if found is None else (found[1],)
 
 
 def storages_read(args: tuple, kwargs: dict) -> list[int] | None:

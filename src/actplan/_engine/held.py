@@ -82,6 +82,10 @@ def is_dense_tensor(tensor: object) -> bool:
     return type(tensor) is torch.Tensor or type(tensor) is FakeTensor
 
 
+# Where a kept op's output was made: (segment, place among the segment's watched ops, output).
+Site = tuple[int, int, int]
+
+
 @dataclass(eq=False)
 class HeldOutput:
     """One tensor output of a kept op: held until proven unread, or dropped.
@@ -110,6 +114,9 @@ class HeldOutput:
     # are then the inner tensor's: that is what holding it costs and what writes change.
     wrapped: Wrapped | None = None
     fate: Fate = Fate.PENDING
+    # Where the op ran: (segment, its place among the segment's watched ops, output index). The
+    # same site names the same output on every call that follows the path learnt.
+    site: Site | None = None
 
 
 @dataclass(frozen=True)

@@ -23,12 +23,14 @@ __all__ = ["HeldReport", "LearntLayout", "LearntState"]
 @dataclass(frozen=True)
 class LearntLayout:
     """What a layer's first call showed: its marker sequence, which segments ran routing,
-    collective or device-to-host ops outside every kept interval, and which ran only views."""
+    collective or device-to-host ops outside every kept interval, which ran only views, and the
+    sites (``HeldOutput.site``) of the kept outputs it dropped unread while it watched every op."""
 
     markers: tuple[str, ...]
     kept: tuple[MarkerInterval | None, ...]  # per segment, the innermost kept interval open
     routing_segments: frozenset[int]
     inert_segments: frozenset[int]  # segments that ran nothing but views
+    unread_sites: frozenset[tuple[int, int, int]] = frozenset()  # (``held.Site``)
 
 
 @dataclass

@@ -27,6 +27,7 @@ import torch
 from actplan._engine.held import (
     Fate,
     HeldOutput,
+    Site,
     Wrapped,
     inner_tensors,
     is_dense_tensor,
@@ -74,11 +75,19 @@ class Ledger:
     reruns read, with the saved-tensor count at the first such read (-1: unknown). ``exposed``:
     undecided storages alive when an unwatched segment began, with the count then."""
 
-    def __init__(self, saved_count: Callable[[], int | None], python_refs: int) -> None:
+    def __init__(
+        self,
+        saved_count: Callable[[], int | None],
+        python_refs: int,
+        unread_sites: frozenset[Site] = frozenset(),
+    ) -> None:
         # The error for a held output written in place (``guard.WriteGuard.mutation``).
         self.on_mutated: Callable[[HeldOutput], Exception] = _unguarded
         self.saved_count = saved_count  # tensors autograd saved so far in this call (None: unknown)
         self.python_refs = python_refs
+        # Sites the learning call saw no one read (``LearntLayout.unread_sites``): an unwatched
+        # segment on the learnt path does not expose them.
+        self.unread_sites = unread_sites
         self.pending: dict[int, list[HeldOutput]] = {}
         self.undecided: dict[int, list[HeldOutput]] = {}
         self.waiting: dict[int, list[HeldOutput]] = {}
@@ -94,7 +103,14 @@ class Ledger:
     # -- records ------------------------------------------------------------------------------
 
     def hold_tensor(
-        self, func: Any, alias, inner, interval: MarkerInterval | None, routing: bool, wrapped: Wrapped | None
+        self,
+        func: Any,
+        alias,
+        inner,
+        interval: MarkerInterval | None,
+        routing: bool,
+        wrapped: Wrapped | None,
+        site: Site | None = None,
     ) -> HeldOutput:
         """Record one output of a held op: ``alias`` (a detached alias) is what the replay is
         served, ``inner`` the plain tensor whose storage it costs.
@@ -116,6 +132,7 @@ class Ledger:
             producer=func,
             routing=routing,
             wrapped=wrapped,
+            site=site,
         )
         self.add(held, settled=routing or not (inner.is_floating_point() or inner.is_complex()))
         if self.probe is not None:
@@ -123,7 +140,7 @@ class Ledger:
         return held
 
     def hold_wrapper(
-        self, func: Any, leaf: torch.Tensor, interval: MarkerInterval | None
+        self, func: Any, leaf: torch.Tensor, interval: MarkerInterval | None, site: Site | None
     ) -> HeldOutput | None:
         """A wrapper-subclass output around one plain tensor, held by that tensor's storage;
         ``None`` when it cannot be (the caller holds it as it is)."""
@@ -131,7 +148,7 @@ class Ledger:
         if found is None:
             return None
         alias, inner, wrapped = found
-        return self.hold_tensor(func, alias, inner, interval, False, wrapped)
+        return self.hold_tensor(func, alias, inner, interval, False, wrapped, site)
 
     def add(self, held: HeldOutput, settled: bool) -> None:
         """Record a new output: held at once (``settled``) or pending."""
@@ -370,10 +387,14 @@ class Ledger:
             self.cheap.revisit(final=False)
 
     def expose(self) -> None:
-        """An unwatched segment begins: what is still referenced may be read there unseen."""
+        """An unwatched segment begins: what is still referenced may be read there unseen, unless
+        the learning call, which watched that segment, saw no one read it (a read it did not see,
+        on a later call, reaches the placeholder's NaN in the replay: never a wrong value)."""
         self.sweep(closing=False)
-        saved = self.saved_count()
-        for storage in self.undecided:
+        saved, unread = self.saved_count(), self.unread_sites
+        for storage, outputs in self.undecided.items():
+            if unread and all(held.site in unread for held in outputs):
+                continue
             self.exposed.setdefault(storage, -1 if saved is None else saved)
         if self.waiting:
             self.cheap.revisit(final=False)  # an exposed output counts as read

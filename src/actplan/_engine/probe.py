@@ -31,13 +31,16 @@ class LearningProbe:
         # storages its kept ops produced, both with their sizes.
         self.saved_in: dict[MarkerInterval | None, dict[int, int]] = {}
         self.produced: dict[MarkerInterval | None, dict[int, int]] = {}
+        self.unread: set[tuple[int, int, int]] = set()  # sites of kept outputs dropped unread
 
     def produced_by(self, held: HeldOutput) -> None:
         self.produced.setdefault(held.interval, {})[held.storage] = held.nbytes
 
     def forget_produced(self, held: HeldOutput) -> None:
-        # Dropped: nothing saved it, and its storage's address may come back for another.
+        # Dropped unread: nothing saved it, and its storage's address may come back for another.
         self.produced.get(held.interval, {}).pop(held.storage, None)
+        if held.site is not None:
+            self.unread.add(held.site)
 
     def layout(
         self,
@@ -49,7 +52,8 @@ class LearningProbe:
         left_path_at: int,
     ) -> LearntLayout:
         """The layout later calls follow. Inert segments: watched here and ran only views, or
-        known inert before this call left the path learnt before."""
+        known inert before this call left the path learnt before. Unread sites: only this
+        call's (what an earlier call dropped may be read on the path this one took)."""
         inert = {s for s in watched if s not in self.busy}
         if before is not None:
             inert |= {s for s in before.inert_segments if s <= left_path_at}
@@ -58,6 +62,7 @@ class LearningProbe:
             kept=tuple(segment_kept),
             routing_segments=frozenset(routing_segments),
             inert_segments=frozenset(inert),
+            unread_sites=frozenset(self.unread),
         )
 
     def autograd_bytes(self, packed: set[int]) -> dict[MarkerInterval | None, int]:

@@ -136,7 +136,8 @@ class ScopedRegion(MarkerState):
         self.mode: TorchDispatchMode | None = None
         self.hooks = self.outer_pack = self.frame = None  # this phase's, while it runs
         # The parts. The hot path reads the ledger's records through these names (same objects).
-        self.ledger = ledger = Ledger(self._saved_so_far, python_storage_refs())
+        unread = frozenset() if self.layout is None else self.layout.unread_sites  # (learnt path)
+        self.ledger = ledger = Ledger(self._saved_so_far, python_storage_refs(), unread)
         self.guard = WriteGuard(ledger, plan, self.layer_name)
         self.cheap = ledger.cheap = CheapReruns(ledger)
         ledger.on_mutated = self.guard.mutation
@@ -334,12 +335,13 @@ class ScopedRegion(MarkerState):
             leaves, spec = list(out), _TUPLE
         else:
             leaves, spec = tree_flatten(out)
-        kept: list = []
+        kept, ledger = [], self.ledger
         for leaf in leaves:
+            site = (self.segment, len(self.entries), len(kept))
             if is_dense_tensor(leaf) and leaf.device.type != "meta":
-                kept.append(self.ledger.hold_tensor(func, detach_alias(leaf), leaf, interval, routing, None))
+                kept.append(ledger.hold_tensor(func, detach_alias(leaf), leaf, interval, routing, None, site))
             elif isinstance(leaf, torch.Tensor):
-                held = None if routing else self.ledger.hold_wrapper(func, leaf, interval)
+                held = None if routing else ledger.hold_wrapper(func, leaf, interval, site)
                 kept.append(detach_alias(leaf) if held is None else held)  # else held as it is
             else:
                 kept.append(leaf)
@@ -354,17 +356,8 @@ class ScopedRegion(MarkerState):
         ledger = self.ledger
         ledger.end_forward()
         if self.probe is not None:
-            self.learnt.learn(
-                self.layer,
-                self.probe.layout(
-                    self.marker_names,
-                    self.segment_kept,
-                    self.routing_segments,
-                    self.watched,
-                    self.layout,
-                    self.left_path_at,
-                ),
-            )
+            seen = (self.marker_names, self.segment_kept, self.routing_segments, self.watched)
+            self.learnt.learn(self.layer, self.probe.layout(*seen, self.layout, self.left_path_at))
         previous = None if self.probe is not None else self.learnt.held_reports().get(self.layer_name)
         report = held_report(ledger.held.values(), self.probe, ledger.packed, previous)
         offloaded = self.plan.offload_intervals

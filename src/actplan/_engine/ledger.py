@@ -337,29 +337,14 @@ class Ledger:
 
     def sweep_pending(self) -> None:
         """Before each kept op: let the open segment's outputs nobody references go at once."""
-        packed, pinned, pending = self.packed, self.pinned, self.pending
-        for storage in list(pending):
-            outputs = pending.get(storage)  # (a cheap op's output may have gone meanwhile)
-            if outputs is None:
-                continue
-            if storage in packed:
-                del pending[storage]
-                self.keep(outputs)
-            elif storage not in pinned and self.dead(storage):
-                del pending[storage]
-                self.drop_unread(storage, outputs)
+        self._settle_pending(closing=False)
         if self.waiting:
             self.cheap.revisit(final=False)
 
-    def sweep(self, closing: bool) -> None:
-        """Settle what the watched ops so far prove: saved by autograd (held), or unreferenced
-        and unread (dropped). ``closing``: the segment closes, so what is pending becomes
-        undecided. Outputs a rerun op read are settled when the forward ends."""
-        packed, pinned, exposed, pending, undecided = (
-            self.packed, self.pinned, self.exposed, self.pending, self.undecided,
-        )  # fmt: skip
+    def _settle_pending(self, closing: bool) -> None:
+        packed, pinned, pending = self.packed, self.pinned, self.pending
         for storage in list(pending):
-            outputs = pending.get(storage)
+            outputs = pending.get(storage)  # (a cheap op's output may have gone meanwhile)
             if outputs is None:
                 continue
             if storage in packed:
@@ -372,7 +357,14 @@ class Ledger:
                 del pending[storage]
                 for held in outputs:
                     held.fate = _UNDECIDED
-                undecided.setdefault(storage, []).extend(outputs)
+                self.undecided.setdefault(storage, []).extend(outputs)
+
+    def sweep(self, closing: bool) -> None:
+        """Settle what the watched ops so far prove: saved by autograd (held), or unreferenced
+        and unread (dropped). ``closing``: the segment closes, so what is pending becomes
+        undecided. Outputs a rerun op read are settled when the forward ends."""
+        self._settle_pending(closing)
+        packed, pinned, exposed, undecided = self.packed, self.pinned, self.exposed, self.undecided
         for storage in list(undecided):
             outputs = undecided.get(storage)
             if outputs is None:

@@ -110,7 +110,7 @@ class Ledger:
         interval: MarkerInterval | None,
         routing: bool,
         wrapped: Wrapped | None,
-        site: Site | None = None,
+        site: Site,
     ) -> HeldOutput:
         """Record one output of a held op: ``alias`` (a detached alias) is what the replay is
         served, ``inner`` the plain tensor whose storage it costs.
@@ -140,7 +140,7 @@ class Ledger:
         return held
 
     def hold_wrapper(
-        self, func: Any, leaf: torch.Tensor, interval: MarkerInterval | None, site: Site | None
+        self, func: Any, leaf: torch.Tensor, interval: MarkerInterval | None, site: Site
     ) -> HeldOutput | None:
         """A wrapper-subclass output around one plain tensor, held by that tensor's storage;
         ``None`` when it cannot be (the caller holds it as it is)."""

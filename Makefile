@@ -5,6 +5,10 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 # torchtitan without its trainer's requirements; the `torchtitan` extra has what its models need.
 TORCHTITAN_SPEC ?= torchtitan==0.3.0
+# Tests run in TEST_WORKERS processes side by side (pytest-xdist; a module whose tests share one
+# costly fixture stays on one worker by its `xdist_group` mark), then the multi-rank ones (`ranks`),
+# one at a time: their ranks already fill the cores, and a collective waits for its slowest rank.
+TEST_WORKERS ?= auto
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.actplan-installed
 
@@ -26,7 +30,8 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests bench
 
 test: lint
-	$(VENV)/bin/pytest -q
+	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadgroup -m "not ranks"
+	$(VENV)/bin/pytest -q -m ranks
 
 bench: $(STAMP)
 	$(VENV)/bin/actplan bench --json bench/results/bench_dense_small.json --markdown bench/results/bench_dense_small.md

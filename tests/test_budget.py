@@ -19,6 +19,9 @@ from actplan.planning.cache import cache_key, load_cached
 from actplan.planning.choose import config_for, picked
 from actplan.planning.planner import minimum_peak
 
+# One worker profiles conftest's long models once
+pytestmark = pytest.mark.xdist_group("long-profiles")
+
 CPU = torch.device("cpu")
 
 # ---------------------------------------------------------------------------------------------

@@ -12,6 +12,9 @@ import pytest
 from actplan.cli import main
 from actplan.cli._parser import build_parser
 
+# One worker profiles conftest's long models once
+pytestmark = pytest.mark.xdist_group("long-profiles")
+
 FACTORY = "model_factories:dense_long"
 # Fewer rounds than the defaults: the command is the one printed, run faster.
 FASTER = {

@@ -60,6 +60,9 @@ from actplan.measure import MemoryMeter, OpCounter, capture_step, compare_steps
 from actplan.units import MarkerInterval, RecomputeIntervalMap
 from engine_layers import BATCH, EXPERTS, INPLACE_OPS, GeneratedStack, LayerSpec, Op, Span, programs, stacks
 
+# One worker: the last test reports what the properties covered in this process.
+pytestmark = pytest.mark.xdist_group("engine-properties")
+
 # GEMMs and attention kernels a kept unit must never rerun (the CPU ops the vocabulary issues).
 EXPENSIVE = frozenset({"mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flash_attention_for_cpu"})
 ROUTING = frozenset(ROUTING_OPS)

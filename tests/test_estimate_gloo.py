@@ -15,6 +15,8 @@ from actplan.models.shape import Shape
 from actplan.planning._rank_step import rank_step
 from twoproc import run_ranks
 
+pytestmark = pytest.mark.ranks
+
 WORKER = Path(__file__).parent / "dist" / "estimate_worker.py"
 SHAPE = Shape(layers=2, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=128, seq=32, batch=2, dtype="fp32")
 

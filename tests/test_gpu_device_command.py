@@ -47,6 +47,7 @@ sys.meta_path[:] = [_CarriedOnly if f is PathFinder else f for f in sys.meta_pat
 """
 
 pytestmark = [
+    pytest.mark.xdist_group("device-command"),  # one worker fetches the wheels once
     pytest.mark.slow,
     pytest.mark.skipif(
         sys.platform != "linux" or platform.machine() != "x86_64" or shutil.which("bash") is None,

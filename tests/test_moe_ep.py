@@ -17,7 +17,7 @@ import pytest
 from actplan.evaluate.bench import OFFLOAD_VARIANTS
 from twoproc import run_two_ranks
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.ranks]
 
 WORKER = Path(__file__).parent / "dist" / "moe_ep_worker.py"
 GRAD_ATOL = 1e-6
@@ -25,7 +25,7 @@ GRAD_ATOL = 1e-6
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ep")
+    """Every scenario's findings per rank, from one two-rank launch."""
     plans = {
         "none": "none",
         "full": "full",
@@ -33,12 +33,13 @@ def results(tmp_path_factory):
         "experts": json.dumps({"mode": "selective", "keep": ["moe_experts"], "layers": "1-2"}),
         "full-rerouting": json.dumps({"mode": "full", "save_collectives": False}),
     }
-    runs = {name: run_two_ranks(WORKER, [plan], out / f"{name}.json") for name, plan in plans.items()}
-    for name in ("none", "full", "matmuls"):
-        runs[f"fsdp-{name}"] = run_two_ranks(WORKER, [plans[name], "fsdp"], out / f"fsdp-{name}.json")
+    scenarios = {name: [plan, ""] for name, plan in plans.items()}
+    scenarios |= {f"fsdp-{name}": [plans[name], "fsdp"] for name in ("none", "full", "matmuls")}
     # Each layer compiled (aot_eager) as well: the all-to-all splits are symbolic sizes in the graph.
-    runs["compiled-matmuls"] = run_two_ranks(WORKER, ["matmuls", "fsdp-compile"], out / "compiled.json")
-    return runs
+    scenarios["compiled-matmuls"] = ["matmuls", "fsdp-compile"]
+    out = tmp_path_factory.mktemp("ep") / "ep.json"
+    ranks = run_two_ranks(WORKER, [json.dumps(scenarios)], out, timeout=600)
+    return {name: [rank[name] for rank in ranks] for name in scenarios}
 
 
 @pytest.mark.parametrize(

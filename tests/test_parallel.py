@@ -31,6 +31,8 @@ from actplan.measure import capture_step, compare_steps
 from actplan.models import build_model
 from twoproc import run_two_ranks
 
+pytestmark = pytest.mark.ranks
+
 WORKER = Path(__file__).parent / "dist" / "fsdp_worker.py"
 GRAD_ATOL = 1e-6
 LOSS_ATOL = 1e-6

@@ -14,6 +14,9 @@ from actplan.planning.budget import preset_choices
 from actplan.planning.cache import get_profile
 from actplan.planning.profile import ModelProfile
 
+# One worker profiles conftest's long models once
+pytestmark = pytest.mark.xdist_group("long-profiles")
+
 CPU = torch.device("cpu")
 
 

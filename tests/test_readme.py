@@ -60,6 +60,7 @@ def test_readme_yaml_config_applies_to_the_dense_model():
 
 
 @pytest.mark.slow
+@pytest.mark.ranks
 def test_readme_distributed_example_runs_on_two_ranks(tmp_path):
     assert len(DISTRIBUTED) == 1
     script = tmp_path / "train.py"

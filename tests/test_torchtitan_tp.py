@@ -40,6 +40,8 @@ import twoproc
 from actplan.markers import checkpoint_record
 from actplan.units import MarkerInterval, RecomputeIntervalMap
 
+pytestmark = pytest.mark.ranks
+
 pytest.importorskip("torchtitan", reason="the torchtitan extra (make setup installs it)")
 
 WORKER = Path(__file__).parent / "dist" / "titan_tp_worker.py"

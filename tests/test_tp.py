@@ -53,6 +53,8 @@ from actplan.models import build_model
 from actplan.units import MarkerInterval, RecomputeIntervalMap
 from planned import half_way_plan
 
+pytestmark = pytest.mark.ranks
+
 WORKER = Path(__file__).parent / "dist" / "tp_worker.py"
 GRAD_ATOL = 1e-6
 LOSS_ATOL = 1e-6
@@ -110,12 +112,14 @@ def runs(planned, tmp_path_factory):
     cache: dict[tuple[str, str], list[dict]] = {}
 
     def get(model: str, mesh: str) -> list[dict]:
-        if (model, mesh) not in cache:
+        if (model, mesh) not in cache:  # every model of the mesh, in one launch
             nproc = 4 if mesh == "dp2tp2" else 2
-            args = ["parity", model, mesh, str(planned[0])]
-            found = run_ranks(nproc, args, out / f"{model}-{mesh}.json")
+            models = [name for name, on in RUNS if on == mesh]
+            args = ["parity", ",".join(models), mesh, str(planned[0])]
+            found = run_ranks(nproc, args, out / f"{mesh}.json", timeout=600)
             assert found["world_size"] == nproc
-            cache[model, mesh] = [rank["results"] for rank in found["ranks"]]
+            for name in models:
+                cache[name, mesh] = [rank["results"][name] for rank in found["ranks"]]
         return cache[model, mesh]
 
     return get

@@ -1,16 +1,18 @@
 """Two-rank expert-parallel MoE worker, launched by tests/test_moe_ep.py under torchrun.
 
-Usage: moe_ep_worker.py PLAN [fsdp|fsdp-compile] OUT_JSON (PLAN: a preset name or a JSON
-config; with ``fsdp`` the model goes through ``actplan.parallelize`` on a 2-rank mesh, with
-``fsdp-compile`` also compiling each layer, aot_eager; its collectives are not counted then,
-since a dispatch mode would make dynamo run the compiled layers eagerly).
+Usage: moe_ep_worker.py SCENARIOS OUT_JSON, where SCENARIOS is a JSON object naming each
+scenario ``[PLAN, HOW]`` (PLAN: a preset name or a JSON config; HOW: ``""``, ``fsdp`` or
+``fsdp-compile``). All scenarios run in one process group, one after another (the launch, not
+the scenario, is what costs). With ``fsdp`` the model goes through ``actplan.parallelize`` on a
+2-rank mesh, with ``fsdp-compile`` also compiling each layer, aot_eager; its collectives are not
+counted then, since a dispatch mode would make dynamo run the compiled layers eagerly.
 Every rank builds the single-process model on the global batch as the reference,
-then the expert-parallel model (experts split over ranks, tokens exchanged with
-all_to_all) on its half of the batch under PLAN, and compares: loss, every
+then for each scenario the expert-parallel model (experts split over ranks, tokens exchanged
+with all_to_all) on its half of the batch under PLAN, and compares: loss, every
 gradient (replicated ones averaged over ranks, expert ones on their owner),
 routing decisions, and how many collectives ran in forward and in backward.
 Then 20 training steps measure whether live memory stays flat. Rank 0 writes
-the findings as JSON.
+the findings as JSON: one ``{scenario: findings}`` per rank.
 """
 
 from __future__ import annotations
@@ -37,22 +39,36 @@ def collectives(counter: OpCounter) -> int:
     return sum(n for op, n in counter.counts.items() if getattr(op, "namespace", "") in COLLECTIVE_NAMESPACES)
 
 
-def main(plan: str, how: str, out_path: str) -> None:
-    fsdp, compiling = how.startswith("fsdp"), how == "fsdp-compile"
+CONFIG_OVERRIDES = {"aux_loss_coef": 0.0}  # the balance loss is per rank by design
+
+
+def main(scenarios: str, out_path: str) -> None:
     faulthandler.enable()  # a rank that aborts in C++ still shows its Python stack
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    config_overrides = {"aux_loss_coef": 0.0}  # the balance loss is per rank by design
-    reference, config = moe.build("tiny", **config_overrides)
+    reference, config = moe.build("tiny", **CONFIG_OVERRIDES)
     per_rank = config.batch_size
     batch = moe.make_batch(config, seed=1, batch_size=per_rank * world)
-    mine = {k: v[rank * per_rank : (rank + 1) * per_rank] for k, v in batch.items()}
-
     out_ref = reference(**batch)
     out_ref["loss"].backward()
+    findings = {
+        name: scenario(plan, how, reference, out_ref, batch, per_rank, config.seq_len)
+        for name, (plan, how) in json.loads(scenarios).items()
+    }
+    write_gathered(findings, out_path, bare=True)
+    leave()
 
-    model, _ = moe.build("tiny", ep_group=dist.group.WORLD, **config_overrides)
+
+def scenario(plan: str, how: str, reference, out_ref: dict, batch: dict, per_rank: int, seq_len: int) -> dict:
+    """One scenario on this rank (see the module doc): its findings."""
+    fsdp, compiling = how.startswith("fsdp"), how == "fsdp-compile"
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = {k: v[rank * per_rank : (rank + 1) * per_rank] for k, v in batch.items()}
+    if compiling:  # this scenario's graphs only
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+    model, _ = moe.build("tiny", ep_group=dist.group.WORLD, **CONFIG_OVERRIDES)
     config_arg = json.loads(plan) if plan.startswith("{") else plan
     if fsdp:
         compile_options = {"backend": "aot_eager"} if compiling else False
@@ -89,7 +105,7 @@ def main(plan: str, how: str, out_path: str) -> None:
         if diff > worst:
             worst, worst_name = diff, name
     # Routing: this rank's tokens are rows [rank * per_rank, ...) of the reference's.
-    tokens = per_rank * config.seq_len
+    tokens = per_rank * seq_len
     routing_equal = all(
         torch.equal(ids, ref_ids[rank * tokens : (rank + 1) * tokens])
         for ids, ref_ids in zip(out["expert_ids"], out_ref["expert_ids"], strict=True)
@@ -106,7 +122,7 @@ def main(plan: str, how: str, out_path: str) -> None:
             optimizer.zero_grad(set_to_none=True)
             live_after_step.append(meter.live_bytes)
 
-    results = {
+    return {
         "rank": rank,
         "loss": loss.item(),
         "reference_loss": out_ref["loss"].item(),
@@ -121,9 +137,7 @@ def main(plan: str, how: str, out_path: str) -> None:
         "peak_live_bytes": meter.report().peak_live_bytes,
         "compiled_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"] if compiling else 0,
     }
-    write_gathered(results, out_path, bare=True)
-    leave()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2] if len(sys.argv) > 3 else "", sys.argv[-1])
+    main(sys.argv[1], sys.argv[2])

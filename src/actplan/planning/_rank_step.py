@@ -343,12 +343,20 @@ def _collected_between_steps() -> Iterator[None]:
     """Python's cyclic garbage collector off while the steps run, and run after each, as
     torchtitan trains (``gc.disable()``, a collection every few steps): what a reference cycle
     holds is then freed at the same point in every process, so the trace does not depend on
-    when a collection happened to run."""
+    when a collection happened to run. What is alive on entry is frozen (``gc.freeze``) for
+    the while, so each collection walks only what the steps made, not all of torch's objects;
+    unless the caller has frozen objects itself, whose freeze is left as it is."""
     enabled = gc.isenabled()
     gc.disable()
+    freezing = gc.get_freeze_count() == 0
+    if freezing:
+        gc.collect()
+        gc.freeze()
     try:
         yield
     finally:
+        if freezing:
+            gc.unfreeze()
         if enabled:
             gc.enable()
 

@@ -183,11 +183,12 @@ def test_compare_reports_a_peer_nothing_beats():
 
 @pytest.mark.slow
 @pytest.mark.compile
-def test_peers_bench_runs_end_to_end(tmp_path):
+@pytest.mark.parametrize("model", ["dense", "moe"])  # apart, so test workers can share them
+def test_peers_bench_runs_end_to_end(tmp_path, model):
     code = peers.main(
         [
             "--models",
-            "dense,moe",
+            model,
             "--size",
             "tiny",
             "--repeats",
@@ -205,43 +206,42 @@ def test_peers_bench_runs_end_to_end(tmp_path):
         ]
     )
     assert code == 0
-    for model in ("dense", "moe"):
-        out = json.loads((tmp_path / f"peers_{model}_tiny.json").read_text())
-        names = {r["name"] for r in out["rows"]}
-        titan = "titan-op-sac" if titan_import_error() else "titan-sac"
-        assert {
-            "none",
-            "torch-checkpoint",
-            titan,
-            "remat-full",
-            "remat-attn",
-            "remat-matmuls",
-            "compile[budget=0.2]",
-            "compile[budget=1.0]",
-        } <= names
-        assert all(r["parity_ok"] for r in out["rows"])
-        assert {s["peer"] for s in out["skipped_peers"]} >= {"rockmate"}
-        kinds = {r["name"]: r["kind"] for r in out["rows"]}
-        # MoE layers compile whole too, under dynamo's data-dependent-shape flags.
-        assert {"full, compiled", "matmuls, compiled"} <= {n for n, k in kinds.items() if k == "compiled"}
-        automatic = [c for c in out["at_same_peak"] if c["automatic"]]
-        assert {c["peer"] for c in automatic} == {"compile[budget=0.2]", "compile[budget=1.0]"}
-        goals = [g["goal"] for g in out["goals"]]
-        assert sum("at least 10% faster" in g for g in goals) == len(automatic)
-        peer_names = {r["name"] for r in out["rows"] if r["kind"] in ("peer", "automatic-peer")}
-        assert {c["peer"] for c in out["at_same_peak"]} == peer_names
-        for c in out["at_same_peak"]:
-            if c["best"] is not None:
-                assert c["best"]["bytes"] <= c["peer_bytes"] * (1 + peers.SAME_MEMORY)
-        assert out["plans"], "the planner found no plan at any peer's peak"
-        for plan in out["plans"]:
-            assert plan["predicted_peak_bytes"] <= plan["budget_bytes"] * (1 + 1e-6)
-        assert {p["peer"] for p in out["cpu_overhead"]["pairs"]} >= {"remat-attn", "torch-checkpoint"}
-        report = (tmp_path / f"peers_{model}_tiny.md").read_text()
-        assert "## CPU-side overhead per checkpointed layer" in report and "## Goals" in report
-        assert "## Automatic peers: torch.compile's activation_memory_budget" in report
-        assert "not run: rockmate" in report
-        assert (tmp_path / f"peers_{model}_tiny.png").stat().st_size > 10_000
+    out = json.loads((tmp_path / f"peers_{model}_tiny.json").read_text())
+    names = {r["name"] for r in out["rows"]}
+    titan = "titan-op-sac" if titan_import_error() else "titan-sac"
+    assert {
+        "none",
+        "torch-checkpoint",
+        titan,
+        "remat-full",
+        "remat-attn",
+        "remat-matmuls",
+        "compile[budget=0.2]",
+        "compile[budget=1.0]",
+    } <= names
+    assert all(r["parity_ok"] for r in out["rows"])
+    assert {s["peer"] for s in out["skipped_peers"]} >= {"rockmate"}
+    kinds = {r["name"]: r["kind"] for r in out["rows"]}
+    # MoE layers compile whole too, under dynamo's data-dependent-shape flags.
+    assert {"full, compiled", "matmuls, compiled"} <= {n for n, k in kinds.items() if k == "compiled"}
+    automatic = [c for c in out["at_same_peak"] if c["automatic"]]
+    assert {c["peer"] for c in automatic} == {"compile[budget=0.2]", "compile[budget=1.0]"}
+    goals = [g["goal"] for g in out["goals"]]
+    assert sum("at least 10% faster" in g for g in goals) == len(automatic)
+    peer_names = {r["name"] for r in out["rows"] if r["kind"] in ("peer", "automatic-peer")}
+    assert {c["peer"] for c in out["at_same_peak"]} == peer_names
+    for c in out["at_same_peak"]:
+        if c["best"] is not None:
+            assert c["best"]["bytes"] <= c["peer_bytes"] * (1 + peers.SAME_MEMORY)
+    assert out["plans"], "the planner found no plan at any peer's peak"
+    for plan in out["plans"]:
+        assert plan["predicted_peak_bytes"] <= plan["budget_bytes"] * (1 + 1e-6)
+    assert {p["peer"] for p in out["cpu_overhead"]["pairs"]} >= {"remat-attn", "torch-checkpoint"}
+    report = (tmp_path / f"peers_{model}_tiny.md").read_text()
+    assert "## CPU-side overhead per checkpointed layer" in report and "## Goals" in report
+    assert "## Automatic peers: torch.compile's activation_memory_budget" in report
+    assert "not run: rockmate" in report
+    assert (tmp_path / f"peers_{model}_tiny.png").stat().st_size > 10_000
 
 
 def test_compile_budgets_outside_0_to_1_are_an_error(capsys):

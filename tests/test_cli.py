@@ -277,3 +277,29 @@ def test_without_rich_the_command_line_says_what_to_install(capsys, monkeypatch)
     assert main(["units"]) == 2
     err = capsys.readouterr().err
     assert "pip install 'actplan[cli]'" in err and len(err.strip().splitlines()) == 1
+
+
+def test_plan_outputs_nobody_named_never_replace_a_file(tmp_path, monkeypatch, capsys):
+    from rich.console import Console
+
+    from actplan.cli._plan import output_path
+
+    monkeypatch.chdir(tmp_path)
+    console = Console(width=200)
+    assert output_path(None, "plan.yaml", "--out", console) == "plan.yaml"
+    (tmp_path / "plan.yaml").write_text("mine")
+    (tmp_path / "plan-1.yaml").write_text("mine too")
+    assert output_path(None, "plan.yaml", "--out", console) == "plan-2.yaml"
+    said = capsys.readouterr().out
+    assert "plan.yaml exists and is kept; writing plan-2.yaml (name the file with --out)" in said
+    assert output_path("plan.yaml", "plan.yaml", "--out", console) == "plan.yaml"  # named: replaced
+    assert output_path("", "pareto.png", "--plot", console) is None
+
+
+def test_version_and_the_headline_command_in_the_help(capsys):
+    with pytest.raises(SystemExit):
+        main(["--version"])
+    assert capsys.readouterr().out.startswith("actplan 0.")
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "estimate (does a real-scale run fit" in " ".join(capsys.readouterr().out.split())

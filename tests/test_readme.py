@@ -48,6 +48,25 @@ def test_readme_python_blocks_run_and_are_exact(tmp_path, monkeypatch):
         assert all(torch.equal(a, b) for a, b in zip(grads(config), baseline, strict=True))
 
 
+@pytest.mark.slow
+def test_readme_plan_step_finds_a_plan_under_its_budget(tmp_path, monkeypatch):
+    # Step 3 as written: my_llama.py from its block, then its `actplan plan` line (not run
+    # against no checkpointing here, which `verify` tests cover): a plan fits the budget.
+    pytest.importorskip("transformers")
+    from actplan.cli import main
+
+    (factory,) = [block for block in BLOCKS if block.startswith("# my_llama.py")]
+    line = r"^(actplan plan --model my_llama:factory [^#\n]*?)\s*#"
+    (command,) = re.findall(line, README.read_text(), re.M)
+    (tmp_path / "my_llama.py").write_text(factory)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    argv = [*command.split()[1:], "--no-run", "--plot", "", "--quiet", "--repeats", "2"]
+    assert main([*argv, "--cache-dir", str(tmp_path / "cache")]) == 0
+    plan = actplan.RecomputeConfig.from_file(tmp_path / "plan.yaml")
+    assert plan.made_for.model == "my_llama:factory" and plan.made_for.seq == 512
+
+
 def test_readme_yaml_config_applies_to_the_dense_model():
     yaml_blocks = re.findall(r"```yaml\n(.*?)```", README.read_text(), flags=re.S)
     assert yaml_blocks

@@ -2,7 +2,8 @@
 
 import pytest
 
-from actplan.sizes import format_bytes, parse_bytes
+from actplan.planning.planner import parse_budget
+from actplan.sizes import format_bytes, parse_bytes, rounding_note
 
 
 @pytest.mark.parametrize(
@@ -36,6 +37,20 @@ def test_parse_bytes_ints_and_whole_floats():
 def test_fractions_of_a_byte_are_refused(text):
     with pytest.raises(ValueError, match="not a whole number of bytes"):
         parse_bytes(text)
+
+
+def test_a_budget_that_comes_to_a_fraction_of_a_byte_is_rounded_down_and_said():
+    # 71.96 GiB is 77,266,461,655.04 bytes: a user means about that much.
+    assert parse_bytes("71.96GiB", round_down=True) == 77_266_461_655
+    assert parse_bytes(1.5, round_down=True) == 1
+    assert rounding_note("71.96GiB") == (
+        "71.96GiB is 77,266,461,655.04 bytes; taken as 77,266,461,655, rounded down to whole bytes"
+    )
+    assert rounding_note("40GiB") is None and rounding_note(1024) is None
+    assert rounding_note("nonsense") is None
+    with pytest.raises(ValueError, match="not a whole number of bytes"):
+        parse_bytes("71.96GiB")  # where whole bytes are the rule (offload sizes), still refused
+    assert parse_budget("71.96GiB") == 77_266_461_655
 
 
 @pytest.mark.parametrize("value", [-1.0, 1.5, float("inf"), float("nan")])

@@ -32,11 +32,13 @@ _SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$")
 _BINARY = (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
 
 
-def parse_bytes(value: int | float | str) -> int:
+def parse_bytes(value: int | float | str, *, round_down: bool = False) -> int:
     """``'64KiB'`` -> ``65536``; ``'1.5GB'`` -> ``1500000000``; an int is taken as bytes.
 
     Raises ``ValueError`` naming the accepted forms for anything else (negative numbers,
-    unknown units, fractions of a byte).
+    unknown units, fractions of a byte). With ``round_down`` a size that comes to a fraction
+    of a byte (a budget such as ``'71.96GiB'``) is rounded down to whole bytes instead
+    (``rounding_note`` says so in words).
     """
     if isinstance(value, bool):
         raise ValueError(f"expected a byte size, got {value!r}; write e.g. 65536, '64KiB' or '1.5GB'")
@@ -45,7 +47,7 @@ def parse_bytes(value: int | float | str) -> int:
             raise ValueError(f"byte size {value} is negative; sizes are 0 or more")
         return value
     if isinstance(value, float):
-        if not math.isfinite(value) or value < 0 or value != int(value):
+        if not math.isfinite(value) or value < 0 or (value != int(value) and not round_down):
             raise ValueError(f"byte size {value} is not a whole, non-negative number of bytes")
         return int(value)
     if not isinstance(value, str):
@@ -57,11 +59,29 @@ def parse_bytes(value: int | float | str) -> int:
             f"cannot read {value!r} as a byte size; write a number with an optional unit: "
             "B, KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024), e.g. '40GiB'"
         )
-    # Decimal, not float: '2.01KB' is exactly 2010 bytes, and 2.01 * 1000 is not in binary floats.
-    nbytes = Decimal(match.group(1)) * _UNITS[unit]
-    if nbytes != nbytes.to_integral_value():
+    nbytes = _exact(match.group(1), unit)
+    if nbytes != nbytes.to_integral_value() and not round_down:
         raise ValueError(f"{value!r} is not a whole number of bytes; give a size that comes to whole bytes")
-    return int(nbytes)
+    return int(nbytes)  # towards zero: down, for a size
+
+
+def _exact(number: str, unit: str) -> Decimal:
+    # Decimal, not float: '2.01KB' is exactly 2010 bytes, and 2.01 * 1000 is not in binary floats.
+    return Decimal(number) * _UNITS[unit]
+
+
+def rounding_note(value: int | float | str) -> str | None:
+    """What ``parse_bytes(value, round_down=True)`` rounded away, in words (``None`` when the
+    size is whole bytes): ``"71.96GiB is 77,266,363,023.36 bytes; taken as 77,266,363,023"``."""
+    if isinstance(value, float) and math.isfinite(value) and value >= 0 and value != int(value):
+        exact = Decimal(value)
+    elif isinstance(value, str) and (match := _SIZE.match(value)) and match.group(2).lower() in _UNITS:
+        exact = _exact(match.group(1), match.group(2).lower())
+    else:
+        return None
+    if exact == exact.to_integral_value():
+        return None
+    return f"{str(value).strip()} is {exact:,.2f} bytes; taken as {int(exact):,}, rounded down to whole bytes"
 
 
 def format_bytes(nbytes: int) -> str | int:

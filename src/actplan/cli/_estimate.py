@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from actplan.cli._console import write_output
-from actplan.sizes import parse_bytes
+from actplan.sizes import parse_bytes, rounding_note
 
 _SHAPE_FLAGS = ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab")
 _MOE_FLAGS = ("experts", "top_k", "expert_ffn", "shared_ffn", "first_k_dense")
@@ -59,7 +59,9 @@ def estimate(args: argparse.Namespace, console: Console) -> int:
     shape = shape_from_args(args)
     shape.per_rank(args.tp, args.ep)  # a layout that does not divide fails before any work
     allocator = AllocatorSettings.parse(args.alloc_conf) if args.alloc_conf else settings_from_env()
-    budget = None if args.budget is None else parse_bytes(args.budget)
+    budget = None if args.budget is None else parse_bytes(args.budget, round_down=True)
+    if budget is not None and (note := rounding_note(args.budget)):
+        console.print(f"note: --budget {note}")
     if budget is not None and budget < 2**20:
         raise ValueError(f"--budget {args.budget!r} is under 1 MiB; write it with a unit, e.g. '80GiB'")
     if args.out and budget is None:

@@ -12,13 +12,17 @@ import argparse
 import tempfile
 from pathlib import Path
 
+from actplan import __version__
 from actplan.config import PRESETS
 from actplan.devices import resolve_device
 from actplan.evaluate.bench import DEFAULT_POLICIES, OFFLOAD_VARIANTS
 from actplan.models import MODELS
 from actplan.models import hf as hf_models
 
-SUMMARY = "The actplan command line: bench (the main job), profile, plan, verify, explain and units."
+SUMMARY = (
+    "The actplan command line: estimate (does a real-scale run fit, and with which plan, from a "
+    "laptop), bench (every policy measured side by side), plan, profile, verify, explain and units."
+)
 DEVICE_HELP = "auto (CUDA when there is one), cpu, cuda or cuda:<index>"
 MODEL_HELP = (
     f"built-in ({', '.join(MODELS)}), hf-<kind> (a random-weight transformers model; kinds: "
@@ -46,8 +50,9 @@ class _HelpFormatter(argparse.HelpFormatter):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="actplan", description=SUMMARY, formatter_class=_HelpFormatter)
+    parser.add_argument("--version", action="version", version=f"actplan {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_bench, _add_estimate, _add_explain, _add_profile, _add_plan, _add_verify, _add_units):
+    for add in (_add_estimate, _add_bench, _add_explain, _add_profile, _add_plan, _add_verify, _add_units):
         add(sub)
     for subparser in sub.choices.values():
         subparser.formatter_class = _HelpFormatter
@@ -230,8 +235,14 @@ def _add_plan(sub) -> None:
         action="store_true",
         help="print every plan on the predicted memory/time front (no budget needed; nothing is run)",
     )
-    parser.add_argument("--out", help="where to write the plan (YAML or JSON; default plan.yaml)")
-    parser.add_argument("--plot", default="pareto.png", help="Pareto plot (PNG); '' for none")
+    parser.add_argument(
+        "--out",
+        help="where to write the plan (YAML or JSON); default plan.yaml here, numbered (plan-1.yaml, "
+        "...) when that file exists: only a file named here is replaced",
+    )
+    parser.add_argument(
+        "--plot", help="Pareto plot (PNG); default pareto.png here, numbered like --out; '' for none"
+    )
     parser.add_argument("--no-run", action="store_true", help="solve and write only")
     parser.add_argument(
         "--budget-of",

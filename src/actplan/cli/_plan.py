@@ -26,7 +26,7 @@ from actplan.cli._console import hint, model_options, progress_display, write_ou
 from actplan.cli._tables import plan_table, profile_table, sweep_table
 from actplan.devices import resolve_device
 from actplan.progress import ProgressCallback
-from actplan.sizes import DEFAULT_OFFLOAD_MIN_BYTES, mib, parse_bytes
+from actplan.sizes import DEFAULT_OFFLOAD_MIN_BYTES, mib, parse_bytes, rounding_note
 
 
 def _profile_inputs(args: argparse.Namespace):
@@ -104,6 +104,8 @@ def plan(args: argparse.Namespace, console: Console) -> int:
     if args.sweep:
         return _sweep(args, console)
     parse_budget(args.budget, none_peak_bytes=1.0)  # a malformed budget fails before any work
+    if note := rounding_note(args.budget):
+        console.print(f"note: --budget {note}")
     bundle, device, options = _profile_inputs(args)
     with _profiling(console, args.quiet) as progress:
         result = plan_under_budget(
@@ -111,8 +113,8 @@ def plan(args: argparse.Namespace, console: Console) -> int:
             args.model,
             args.budget,
             device,
-            out=args.out or "plan.yaml",
-            plot=args.plot or None,
+            out=output_path(args.out, "plan.yaml", "--out", console),
+            plot=output_path(args.plot, "pareto.png", "--plot", console),
             run=not args.no_run,
             **options,
             progress=progress,
@@ -131,6 +133,21 @@ def plan(args: argparse.Namespace, console: Console) -> int:
         console.print("[red]the plan's loss differs from no checkpointing[/]")
         return 1
     return 0
+
+
+def output_path(given: str | None, default: str, option: str, console: Console) -> str | None:
+    """Where to write an output: the path given (an existing file there is replaced: it was
+    named), none for ``''``, else ``default`` in this folder, numbered (``plan-1.yaml``, ...)
+    when a file of that name exists, and said so: a file nobody named is never replaced."""
+    if given is not None:
+        return given or None
+    path, number = Path(default), 0
+    while path.exists():
+        number += 1
+        path = Path(f"{Path(default).stem}-{number}{Path(default).suffix}")
+    if number:
+        console.print(f"note: {default} exists and is kept; writing {path} (name the file with {option})")
+    return str(path)
 
 
 def _cached_profile(bundle, spec: str, device, options: dict):
@@ -199,11 +216,12 @@ def _sweep(args: argparse.Namespace, console: Console) -> int:
             console,
             f"actplan plan {profile_options(args)} --budget {math.ceil(peak / 1e5) / 10:.1f}MB",
         )
-    if args.plot:
+    plot = output_path(args.plot, "pareto.png", "--plot", console)
+    if plot:
         write_pareto_plot(
-            pareto_points(measured, solutions), args.plot, f"{measured.model} on {measured.device}"
+            pareto_points(measured, solutions), plot, f"{measured.model} on {measured.device}"
         )
-        console.print(f"wrote {args.plot}")
+        console.print(f"wrote {plot}")
     if args.json:
         text = json.dumps({"model": measured.model, "front": front}, indent=2) + "\n"
         write_output(args.json, text, console)

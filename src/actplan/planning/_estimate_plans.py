@@ -19,6 +19,7 @@ from actplan.models.shape import DTYPES, Shape
 from actplan.planning.choose import config_for, made_for
 from actplan.planning.planner import BudgetError, minimum_peak, none_peak, solve
 from actplan.planning.profile import ModelProfile, profile_model
+from actplan.progress import PlainLines
 from actplan.sizes import human_bytes
 
 __all__ = ["Planner", "deepened", "default_dtype", "plan_within", "plans_for"]
@@ -113,7 +114,10 @@ def plans_for(
             spec=shape.name,
             device=fake.device,
             gpu=gpu,
-            progress=lambda event: say(f"profiling on fake tensors: {event.stage}"),
+            # A line per tenth of the work, with the count and the time left, as `plan` shows.
+            progress=PlainLines(
+                lambda line: say(line.replace("profiling: ", "profiling on fake tensors: ", 1))
+            ),
         )
     profile = deepened(profile, shape.layers, base_seconds)
     with default_dtype(DTYPES[shape.dtype]), torch.device("meta"):

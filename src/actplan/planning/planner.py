@@ -227,7 +227,7 @@ def parse_budget(text: str | int | float, none_peak_bytes: float | None = None) 
                 )
             return none_peak_bytes * percent / 100
     try:
-        value = parse_bytes(text)
+        value = parse_bytes(text, round_down=True)  # '71.96GiB' means about that: whole bytes
     except ValueError as err:
         raise BudgetError(f"cannot read budget {text!r}: {err}; or write a percentage like '55%'") from None
     if value <= 0:

@@ -355,6 +355,11 @@ def profile_model(
     gpu_name = None if clock is None else clock.accelerator.name
     key = cache_key(bundle, spec, device, min_bytes, bandwidth, gpu_name)
     model = copy_module(bundle.model).to(device)
+    config = getattr(model, "config", None)
+    if getattr(config, "use_cache", False):
+        # The copy profiles as a plan trains: `apply` turns a transformers model's KV cache off
+        # (a layer replayed alone would append to the cache its recorded call was given).
+        config.use_cache = False
     batch = bundle.batch(0, device)
     layers = find_layers(model)
     if not layers:

@@ -237,6 +237,28 @@ def test_the_engine_never_imports_config_planning_integrations_or_the_cli():
             )
 
 
+TESTS = ROOT / "tests"
+
+
+@pytest.mark.parametrize("path", sorted(TESTS.rglob("*.py")), ids=lambda p: str(p.relative_to(TESTS)))
+def test_tests_share_code_through_helpers_never_through_test_modules(path):
+    # What tests and the multi-rank workers share lives in tests/helpers (or a plain module
+    # beside them: twoproc, planned, ...); a test module is imported by pytest alone, and no
+    # file is loaded by its path.
+    names, by_path = set(), False
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+        elif isinstance(node, ast.Attribute | ast.Name):
+            by_path |= getattr(node, "attr", getattr(node, "id", None)) == "spec_from_file_location"
+    where = path.relative_to(ROOT)
+    wrong = sorted(n for n in names if n.split(".")[0].startswith("test_") or n.startswith("tests."))
+    assert not wrong, f"{where} imports test modules {wrong}: move what it needs to tests/helpers"
+    assert not by_path, f"{where} loads a file by its path; import it (tests/ and tests/dist are on sys.path)"
+
+
 def test_the_core_imports_and_runs_without_the_optional_extras():
     # A fresh interpreter where the extras cannot be imported: the engine, configs and install
     # still work (the planning, CLI and HF parts say which extra to install).

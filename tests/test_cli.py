@@ -230,7 +230,7 @@ def _help(argv, capsys) -> str:
 
 def test_help_shows_defaults_and_no_rest_markup(capsys):
     top = _help([], capsys)
-    assert "``" not in top and "bench (the main job)" in top
+    assert "``" not in top and "bench (every policy measured side by side)" in top
     bench = _help(["bench"], capsys)
     assert "(default: small)" in bench and "(default: 7)" in bench and "(default: auto)" in bench
     assert "(default: None)" not in bench and "(default: False)" not in bench

@@ -1,25 +1,26 @@
 """The MoE reference model, single process: exactness, routing never recomputed."""
 
 import copy
+from functools import partial
 
 import pytest
 import torch
 
 import actplan
 from actplan._install.apply import find_layers, installed_plan
-from actplan.measure import OpCounter, capture_step, compare_steps
+from actplan.measure import OpCounter, compare_steps
 from actplan.models import moe
+from helpers import step_and_capture
 
 PRESETS = ["none", "full", "attn", "matmuls", "megatron-selective"]
 ROUTING_OPS = (torch.ops.aten.topk.default, torch.ops.aten.sort.stable, torch.ops.aten.bincount.default)
 
 
-def train_step(model, batch, seed=7):
-    torch.manual_seed(seed)
-    out = model(**batch)
-    out["loss"].backward()
-    extras = {f"expert_ids.{i}": ids for i, ids in enumerate(out["expert_ids"])}
-    return capture_step(model, out["loss"], extras=extras)
+def routing(out):
+    return {f"expert_ids.{i}": ids for i, ids in enumerate(out["expert_ids"])}
+
+
+train_step = partial(step_and_capture, seed=7, extras=routing)  # routing compared too
 
 
 @pytest.fixture(scope="module", params=["softmax", "sigmoid"])

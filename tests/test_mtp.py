@@ -16,9 +16,10 @@ from torch.utils.checkpoint import checkpoint
 
 import actplan
 from actplan._install.apply import find_layers, interval_map_of
-from actplan.measure import capture_step, compare_steps
+from actplan.measure import compare_steps
 from actplan.models import mtp
 from actplan.models.dense import Attention, DecoderLayer, SwiGLU
+from helpers import step_and_capture
 
 N_LAYERS, DEPTHS = 2, 2
 DEPTH_LAYERS = list(range(N_LAYERS, N_LAYERS + DEPTHS))  # find_layers: main stack, then depths
@@ -40,19 +41,10 @@ def built():
     return mtp.build("tiny", dropout=0.1, n_layers=N_LAYERS, mtp_depths=DEPTHS)
 
 
-def train_step(model, batch, seed=5):
-    torch.manual_seed(seed)
-    model.train()
-    model.zero_grad(set_to_none=True)
-    loss = model(**batch)["loss"]
-    loss.backward()
-    return capture_step(model, loss)
-
-
 @pytest.fixture(scope="module")
 def baseline(built):
     model, config = built
-    return train_step(copy.deepcopy(model), mtp.make_batch(config, 0))
+    return step_and_capture(copy.deepcopy(model), mtp.make_batch(config, 0))
 
 
 def mtp_nonzero(capture):
@@ -79,7 +71,7 @@ def plan_steps(built):
         if plan not in cache:
             candidate = copy.deepcopy(model)
             installed = actplan.apply(candidate, PLANS[plan])
-            cache[plan] = (installed, train_step(candidate, mtp.make_batch(config, 0)))
+            cache[plan] = (installed, step_and_capture(candidate, mtp.make_batch(config, 0)))
         return cache[plan]
 
     return run
@@ -126,7 +118,7 @@ def test_census_catches_a_depth_silently_detached(built, baseline):
         )
 
     depth.forward = reentrant_forward
-    step = train_step(model, mtp.make_batch(config, 0))
+    step = step_and_capture(model, mtp.make_batch(config, 0))
     assert torch.isfinite(step.loss)
     lost = mtp_nonzero(baseline) - mtp_nonzero(step)
     assert lost and all(name.startswith("mtp.0.") for name in lost)
@@ -145,8 +137,8 @@ def test_embed_and_head_are_shared_not_copied(built):
 def test_depths_contribute_to_shared_embed_and_head_gradients(built):
     model, config = built
     batch = mtp.make_batch(config, 0)
-    with_mtp = train_step(copy.deepcopy(model), batch)
-    without = train_step(mtp.MTPModel(dataclasses.replace(config, mtp_loss_weight=0.0)), batch)
+    with_mtp = step_and_capture(copy.deepcopy(model), batch)
+    without = step_and_capture(mtp.MTPModel(dataclasses.replace(config, mtp_loss_weight=0.0)), batch)
     # The shared embedding and head, and the main stack feeding depth 1, all get
     # gradient from the depth losses.
     for name in ("lm_head.weight", "embed.weight", "layers.0.attn.q_proj.weight"):

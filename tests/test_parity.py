@@ -14,9 +14,10 @@ from hypothesis import strategies as st
 import actplan
 from actplan._engine.boundary import checkpoint_state
 from actplan._install.apply import find_layers, installed_plan
-from actplan.measure import MemoryMeter, OpCounter, capture_step, compare_steps
+from actplan.measure import MemoryMeter, OpCounter
 from actplan.models import build_model
 from actplan.models.dense import DecoderLayer
+from helpers import assert_exact, step_and_capture, with_plan
 
 UNITS = [u.value for u in DecoderLayer.recompute_intervals.units]
 
@@ -26,27 +27,15 @@ def bundle():
     return build_model("dense", "tiny", dropout=0.1, n_layers=3)
 
 
-def train_step(model, batch, seed=5):
-    torch.manual_seed(seed)
-    model.zero_grad(set_to_none=True)
-    loss = model(**batch)["loss"]
-    loss.backward()
-    return capture_step(model, loss)
-
-
 @pytest.fixture(scope="module")
 def baseline(bundle):
-    return train_step(copy.deepcopy(bundle.model), bundle.make_batch(0))
+    return step_and_capture(copy.deepcopy(bundle.model), bundle.make_batch(0))
 
 
-def assert_exact(bundle, baseline, config):
-    model = copy.deepcopy(bundle.model)
-    actplan.apply(model, config)
-    report = compare_steps(baseline, train_step(model, bundle.make_batch(0)))
-    assert report.loss_identical, config
-    assert report.max_abs_grad_diff == 0.0, (config, report.worst_param)
-    assert report.census_match, report.census_diff
-    assert report.ok
+def exact_under(bundle, baseline, config):
+    """``config`` applied to a copy of the model: bit for bit the baseline's step. The copy."""
+    model = with_plan(bundle.model, config)
+    assert_exact(baseline, step_and_capture(model, bundle.make_batch(0)), config)
     return model
 
 
@@ -58,16 +47,16 @@ def test_baseline_census_is_meaningful(baseline):
 
 @pytest.mark.parametrize("unit", UNITS)
 def test_each_unit_kept_alone_is_exact(bundle, baseline, unit):
-    assert_exact(bundle, baseline, {"mode": "selective", "keep": [unit]})
+    exact_under(bundle, baseline, {"mode": "selective", "keep": [unit]})
 
 
 @pytest.mark.parametrize("preset", ["none", "full", "attn", "matmuls", "megatron-selective"])
 def test_presets_are_exact(bundle, baseline, preset):
-    assert_exact(bundle, baseline, preset)
+    exact_under(bundle, baseline, preset)
 
 
 def test_all_units_kept_is_exact(bundle, baseline):
-    assert_exact(bundle, baseline, {"mode": "selective", "keep": UNITS})
+    exact_under(bundle, baseline, {"mode": "selective", "keep": UNITS})
 
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -89,11 +78,11 @@ def test_random_unit_subsets_and_layer_selectors_are_exact(bundle, baseline, kee
         config = {"mode": "selective", "keep": keep, "layers": layers}
     else:  # keeping nothing is written `mode: full` (`keep: []` is refused as doing nothing)
         config = {"mode": "full", "layers": layers}
-    assert_exact(bundle, baseline, config)
+    exact_under(bundle, baseline, config)
 
 
 def test_overrides_mix_modes_exactly(bundle, baseline):
-    model = assert_exact(
+    model = exact_under(
         bundle,
         baseline,
         {
@@ -110,7 +99,7 @@ def count_ops(bundle, config):
     if config is not None:
         actplan.apply(model, config)
     with OpCounter() as counter:
-        train_step(model, bundle.make_batch(0))
+        step_and_capture(model, bundle.make_batch(0))
     return counter.counts
 
 

@@ -14,11 +14,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import actplan
 from actplan._install.apply import find_layers
-from actplan.measure import OpCounter, capture_step, compare_steps
+from actplan.measure import OpCounter, compare_steps
 from actplan.models import sparse
 from actplan.models.sparse import SparseDecoderLayer
+from helpers import step_and_capture, with_plan
 
 TOPK = torch.ops.aten.topk.default
 GATHER = torch.ops.aten.index.Tensor
@@ -39,25 +39,10 @@ def tiny():
     return sparse.build("tiny", dropout=0.1)
 
 
-def train_step(model, batch, seed=5):
-    torch.manual_seed(seed)
-    model.zero_grad(set_to_none=True)
-    loss = model(**batch)["loss"]
-    loss.backward()
-    return capture_step(model, loss)
-
-
 @pytest.fixture(scope="module")
 def baseline(tiny):
     model, config = tiny
-    return train_step(copy.deepcopy(model), sparse.make_batch(config))
-
-
-def with_plan(model, plan):
-    model = copy.deepcopy(model)
-    if plan is not None:
-        actplan.apply(model, plan)
-    return model
+    return step_and_capture(copy.deepcopy(model), sparse.make_batch(config))
 
 
 def test_tiny_has_sources_and_consumers(tiny):
@@ -81,7 +66,7 @@ def test_plans_are_exact(tiny, baseline, plan):
         # Consumers share the class but never emit the indexer markers; the source
         # layers before them do, so no "never ran" warning may appear.
         warnings.simplefilter("error")
-        report = compare_steps(baseline, train_step(model, sparse.make_batch(config)))
+        report = compare_steps(baseline, step_and_capture(model, sparse.make_batch(config)))
     assert report.loss_identical, plan
     assert report.max_abs_grad_diff == 0.0, (plan, report.worst_param)
     assert report.census_match, report.census_diff
@@ -91,7 +76,7 @@ def test_plans_are_exact(tiny, baseline, plan):
 def count_ops(model, config, plan):
     model = with_plan(model, plan)
     with OpCounter() as counter:
-        train_step(model, sparse.make_batch(config))
+        step_and_capture(model, sparse.make_batch(config))
     return counter.counts
 
 
@@ -146,7 +131,7 @@ def test_consumers_get_the_source_ids_tensor(tiny, plan):
     model, config = tiny
     model = with_plan(model, plan)
     recorder = IdRecorder(model)
-    train_step(model, sparse.make_batch(config))
+    step_and_capture(model, sparse.make_batch(config))
     for i, layer in enumerate(model.layers):
         source = i - i % config.index_every
         ids = recorder.returned[source]

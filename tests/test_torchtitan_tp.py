@@ -23,7 +23,6 @@ Under expert parallelism torchtitan's router scores are a DTensor on a strided s
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -44,6 +43,8 @@ pytestmark = pytest.mark.ranks
 
 pytest.importorskip("torchtitan", reason="the torchtitan extra (make setup installs it)")
 
+from helpers.titan import planner_config  # noqa: E402 (needs torchtitan)
+
 WORKER = Path(__file__).parent / "dist" / "titan_tp_worker.py"
 MODELS = ("llama3", "deepseek_v3")
 MESHES = ("tp2", "dp2tp2")
@@ -59,17 +60,10 @@ RS = "_c10d_functional.reduce_scatter_tensor.default"
 # backward; full, attn and the mix (which recompute the router) pass.
 
 
-def _worker_module():
-    spec = importlib.util.spec_from_file_location("titan_tp_worker", WORKER)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def planned(tmp_path_factory):
     """The planner's plan for llama3, made once in this process and handed to every rank."""
-    made = _worker_module().planner_config("llama3")
+    made = planner_config("llama3")
     path = tmp_path_factory.mktemp("titan-plan") / "plans.json"
     path.write_text(json.dumps({"llama3": {"planner": made["config"]}}))
     return path, made

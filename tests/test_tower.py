@@ -11,39 +11,16 @@ import copy
 import pytest
 import torch
 
-import actplan
 import tower
 from actplan._engine.boundary import is_checkpointed
 from actplan._install.apply import find_layers
-from actplan.measure import OpCounter, capture_step, compare_steps
+from actplan.measure import OpCounter
 from actplan.models.dense import DecoderLayer
+from helpers import assert_exact, step_and_capture, with_plan
 from tower import MicroBatchDecoderLayer
 
 SDPA = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 SELECTIVE = {"mode": "selective", "keep": ["qkv_proj", "mlp_up"]}
-
-
-def train_step(model, batch, seed=5):
-    torch.manual_seed(seed)
-    model.zero_grad(set_to_none=True)
-    loss = model(**batch)["loss"]
-    loss.backward()
-    return capture_step(model, loss)
-
-
-def with_plan(model, plan):
-    model = copy.deepcopy(model)
-    if plan is not None:
-        actplan.apply(model, plan)
-    return model
-
-
-def assert_exact(baseline, candidate, plan):
-    report = compare_steps(baseline, candidate)
-    assert report.loss_identical, plan
-    assert report.max_abs_grad_diff == 0.0, (plan, report.worst_param)
-    assert report.census_match, report.census_diff
-    assert report.ok
 
 
 # ---------------------------------------------------------------------------------------------
@@ -59,7 +36,7 @@ def tower_tiny():
 @pytest.fixture(scope="module")
 def tower_baseline(tower_tiny):
     model, config = tower_tiny
-    return train_step(copy.deepcopy(model), tower.make_tower_batch(config))
+    return step_and_capture(copy.deepcopy(model), tower.make_tower_batch(config))
 
 
 def test_tower_is_frozen_and_the_rest_trains(tower_tiny, tower_baseline):
@@ -99,7 +76,7 @@ def test_frozen_tower_is_not_replayed_and_stays_detached(tower_tiny, tower_basel
     assert all(is_checkpointed(layer) for layer in model.tower.layers)
     probe = TowerProbe(model)
     with OpCounter() as counter:
-        candidate = train_step(model, tower.make_tower_batch(config))
+        candidate = step_and_capture(model, tower.make_tower_batch(config))
     n_tower, n_decoder = config.tower_layers, config.n_layers
     assert probe.calls == 2 * n_tower  # one attention and one MLP per tower layer, never replayed
     assert len(probe.outputs) == n_tower + 1
@@ -118,7 +95,7 @@ def test_tower_input_that_needs_grad_is_checkpointed(tower_tiny):
     probe = TowerProbe(model)
     batch = tower.make_tower_batch(config)
     batch["image_features"].requires_grad_(True)
-    train_step(model, batch)
+    step_and_capture(model, batch)
     assert probe.calls == 2 * 2 * config.tower_layers
     assert batch["image_features"].grad is not None
 
@@ -143,7 +120,7 @@ def micro_step(model, batch, seed=5):
 
     handle = model.embed.register_forward_hook(keep)
     try:
-        capture = train_step(model, batch, seed)
+        capture = step_and_capture(model, batch, seed)
     finally:
         handle.remove()
     return capture, [e.grad for e in embedded]

@@ -7,7 +7,7 @@ MODELS is a comma-separated list of ``llama3`` and ``deepseek_v3`` (``test_torch
 models, SDPA standing in for FlexAttention); MESH is ``tp2`` (2 ranks: one tensor-parallel pair)
 or ``dp2tp2`` (4 ranks: FSDP2 over two pairs; deepseek_v3's routed experts also split over 2
 ranks, EP=2). PLANS.json maps a model to more configs by name (``planner``: what
-``planner_config`` made), or is ``-``.
+``helpers.titan.planner_config`` made), or is ``-``.
 
 Each config builds the model afresh with torchtitan's sharding config (sequence parallel on) and
 runs it through torchtitan's own ``parallelize_llama`` / ``parallelize_deepseekv3``: tensor (and
@@ -36,7 +36,7 @@ import warnings
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-for path in (HERE, HERE.parent):  # tp_worker's checks; test_torchtitan's tiny models
+for path in (HERE, HERE.parent):  # tp_worker's checks; the tiny models in tests/helpers
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 
@@ -48,9 +48,9 @@ from tp_worker import bit_compare, collectives  # noqa: E402
 
 import actplan  # noqa: E402
 from actplan.measure import MemoryMeter, OpCounter  # noqa: E402
-from test_torchtitan import MIXED, VOCAB, build_decoder, decoder_config  # noqa: E402
+from helpers.titan import MIXED, TitanLoss, build_decoder, decoder_config  # noqa: E402
+from helpers.titan import tp_batch as make_batch  # noqa: E402
 
-ROWS, SEQ = 8, 64  # per data-parallel rank: activations outweigh the weights, as in training
 PRESETS = {
     "full": "full",
     "full+save_collectives": {"preset": "full", "save_collectives": True},
@@ -59,42 +59,6 @@ PRESETS = {
     "megatron-selective": "megatron-selective",
     "mixed": MIXED,  # test_torchtitan's planner-shaped mix: a full layer, kept units, offload
 }
-
-
-class TitanLoss(nn.Module):
-    """The decoder and torchtitan's loss, as its trainer computes it: next-token cross entropy
-    (``cross_entropy_loss``: vocabulary-parallel when the logits are split over the pair), over
-    this rank's tokens."""
-
-    def __init__(self, decoder: nn.Module) -> None:
-        super().__init__()
-        self.decoder = decoder
-
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        from torchtitan.components.loss import cross_entropy_loss
-
-        logits = self.decoder(tokens[:, :-1], positions[:, :-1])
-        labels = tokens[:, 1:]
-        return cross_entropy_loss(logits, labels, global_vocab_size=VOCAB) / labels.numel()
-
-
-def make_batch(seed: int) -> dict[str, torch.Tensor]:
-    """ROWS sequences of SEQ + 1 tokens (SEQ in, SEQ labels): SEQ divides over the pair."""
-    generator = torch.Generator().manual_seed(seed)
-    return {
-        "tokens": torch.randint(0, VOCAB, (ROWS, SEQ + 1), generator=generator),
-        "positions": torch.arange(SEQ + 1).repeat(ROWS, 1),
-    }
-
-
-def planner_config(kind: str) -> dict:
-    """What actplan's planner picks for the whole (unsplit) model at this shape (``planned``;
-    called in the pytest process only, where ``tests`` is importable)."""
-    from actplan.models import ModelBundle
-    from planned import half_way_plan
-
-    bundle = ModelBundle(kind, "tiny", TitanLoss(build_decoder(kind)), make_batch, f"torchtitan {kind}")
-    return half_way_plan(bundle, kind)
 
 
 def titan_parallelize(kind: str, dims, parallelism, ac_config) -> nn.Module:

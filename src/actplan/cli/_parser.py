@@ -9,10 +9,10 @@ the parser (``_bench`` does, for its defaults) without an import circle.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import tempfile
 from pathlib import Path
 
-from actplan import __version__
 from actplan.config import PRESETS
 from actplan.devices import resolve_device
 from actplan.evaluate.bench import DEFAULT_POLICIES, OFFLOAD_VARIANTS
@@ -48,9 +48,16 @@ class _HelpFormatter(argparse.HelpFormatter):
         return f"{help_text} (default: %(default)s)"
 
 
+def _version() -> str:
+    try:
+        return importlib.metadata.version("actplan")
+    except importlib.metadata.PackageNotFoundError:  # a source tree on sys.path, not installed
+        return "(not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="actplan", description=SUMMARY, formatter_class=_HelpFormatter)
-    parser.add_argument("--version", action="version", version=f"actplan {__version__}")
+    parser.add_argument("--version", action="version", version=f"actplan {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     for add in (_add_estimate, _add_bench, _add_explain, _add_profile, _add_plan, _add_verify, _add_units):
         add(sub)

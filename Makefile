@@ -27,7 +27,7 @@ demo: $(STAMP)
 	$(VENV)/bin/actplan bench
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests bench
+	$(VENV)/bin/ruff check src tests bench conftest.py
 
 test: lint
 	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadgroup -m "not ranks"

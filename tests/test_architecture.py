@@ -237,10 +237,10 @@ def test_the_engine_never_imports_config_planning_integrations_or_the_cli():
             )
 
 
-TESTS = ROOT / "tests"
+TEST_FILES = sorted([*(ROOT / "tests").rglob("*.py"), *(ROOT / "bench" / "tests").rglob("*.py")])
 
 
-@pytest.mark.parametrize("path", sorted(TESTS.rglob("*.py")), ids=lambda p: str(p.relative_to(TESTS)))
+@pytest.mark.parametrize("path", TEST_FILES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_tests_share_code_through_helpers_never_through_test_modules(path):
     # What tests and the multi-rank workers share lives in tests/helpers (or a plain module
     # beside them: twoproc, planned, ...); a test module is imported by pytest alone, and no

@@ -12,7 +12,7 @@ import pytest
 from actplan.evaluate.bench import BenchResult
 from bench import goals
 
-RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results"
+RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
 REPORTS = sorted(RESULTS.glob("bench_*.json"))
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RUN = ROOT / "bench" / "gpu" / "run.sh"
 FETCH = ROOT / "bench" / "gpu" / "fetch_wheels.sh"
 CARRIED = ("pydantic", "pydantic_core", "annotated_types", "typing_inspection", "torch_remat")

@@ -1,0 +1,16 @@
+"""For every test folder (``tests/``, ``bench/tests/``): under pytest-xdist (``make test`` runs
+``-n auto``) each worker gives torch its share of the cores, and so do the processes the tests
+start (torchrun ranks, CLI runs). Two workers of two threads each on two cores wait on each
+other and run slower than one worker alone."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    _THREADS = max(1, (os.cpu_count() or 1) // _WORKERS)
+    torch.set_num_threads(_THREADS)
+    os.environ["OMP_NUM_THREADS"] = str(_THREADS)

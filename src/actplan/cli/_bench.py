@@ -17,7 +17,7 @@ from rich.console import Console
 
 from actplan.cli._console import model_options, progress_display, write_output
 from actplan.cli._parser import build_parser
-from actplan.cli._tables import bench_table, held_table
+from actplan.cli._tables import bench_extra_table, bench_table, held_table
 from actplan.evaluate.bench import run_bench
 from actplan.evaluate.report import to_markdown
 
@@ -94,6 +94,9 @@ def _run_and_report(args: argparse.Namespace, console: Console) -> int:
             command="actplan " + " ".join(sys.argv[1:]) if sys.argv[1:] else "actplan bench",
         )
     console.print(bench_table(result))
+    extra = bench_extra_table(result)
+    if extra is not None:
+        console.print(extra)
     held = {r.name: r.held_by_unit for r in result.rows if r.held_by_unit}
     if held:
         console.print(held_table(held, "held per kept unit at the end of forward, all layers"))

@@ -18,58 +18,76 @@ from actplan.sizes import mib
 
 
 def bench_table(result: BenchResult) -> Table:
+    """Every row's exactness, memory and time, in 100 columns; offload and per-rank memory,
+    when a row has them, are ``bench_extra_table``'s."""
+    none = result.row("none")
+    none_step = f"{none.step_median_s:.3f} s" if none else "-"
     table = Table(
         title=f"actplan bench — {result.model} — {result.device}, torch {result.torch_version}",
-        caption=f"analytic activation floor {mib(result.floor_bytes)} MiB; "
-        f"{result.warmup} warm-up + {result.repeats} interleaved rounds; +GFLOP: FLOPs "
-        f"recomputed per step; est. {ROOFLINE_GPU}: the step priced by a roofline clock (an estimate)",
+        caption=f"exact: loss, every gradient and the grad census bit for bit as `none`; analytic "
+        f"activation floor {mib(result.floor_bytes)} MiB; `none`'s step {none_step}; {result.warmup} "
+        f"warm-up + {result.repeats} interleaved rounds; +GFLOP: FLOPs recomputed per step; est. "
+        f"{ROOFLINE_GPU}: the step priced by a roofline clock (an estimate)",
     )
     for column in (
         "policy",
-        "loss identical",
-        "max |Δgrad|",
-        "grad census",
-        "activations MiB",
-        "vs none",
+        "exact",
+        "act. MiB",
+        "× none",
         "peak MiB",
-        "floor MiB",
-        "step s",
-        "time vs none",
+        "time × none",
         "+GFLOP",
         f"est. {ROOFLINE_GPU}",
     ):
         table.add_column(column, justify="left" if column == "policy" else "right", no_wrap=True)
+    for r in result.rows:
+        table.add_row(
+            r.name,
+            _exactness(r),
+            mib(r.activation_bytes),
+            f"{r.activation_bytes / none.activation_bytes:.2f}" if none else "-",
+            mib(r.peak_bytes),
+            f"{r.ratio_to_none:.3f} ± {r.ratio_spread:.3f}",
+            recomputed_gflop(r, none),
+            "-" if r.predicted_ratio is None else f"{r.predicted_ratio:.3f}",
+        )
+    return table
+
+
+def _exactness(row) -> str:
+    """``yes`` when the loss, every gradient and the census match bit for bit; else what differs."""
+    if not row.loss_identical:
+        return "[red]NO: loss[/]"
+    if not row.census_match:
+        return "[red]NO: census[/]"
+    if row.max_abs_grad_diff:
+        return f"[yellow]Δ{row.max_abs_grad_diff:.1e}[/]"
+    return "[green]yes[/]"
+
+
+def bench_extra_table(result: BenchResult) -> Table | None:
+    """What some rows have beyond ``bench_table``'s columns: each expert-parallel rank's
+    activations and peak, and offload's host tier; ``None`` when no row has either."""
     expert_parallel = any(r.per_rank_memory for r in result.rows)
+    offloading = any(r.offloaded_bytes is not None for r in result.rows)
+    if not expert_parallel and not offloading:
+        return None
+    table = Table(title="per rank and host tier")
+    table.add_column("policy", no_wrap=True)
     if expert_parallel:
         table.add_column("per-rank act./peak MiB", justify="right", no_wrap=True)
-    offloading = any(r.offloaded_bytes is not None for r in result.rows)
     if offloading:
         table.add_column("host peak MiB", justify="right", no_wrap=True)
         table.add_column("moved out/in MiB", justify="right", no_wrap=True)
-    none = result.row("none")
     for r in result.rows:
-        per_rank = [" | ".join(f"{mib(a)}/{mib(p)}" for a, p in r.per_rank_memory)] if expert_parallel else []
+        cells = [" | ".join(f"{mib(a)}/{mib(p)}" for a, p in r.per_rank_memory)] if expert_parallel else []
         if offloading:
-            per_rank += (
+            cells += (
                 ["-", "-"]
                 if r.offloaded_bytes is None
                 else [mib(r.host_peak_bytes), f"{mib(r.offloaded_bytes)}/{mib(r.reloaded_bytes)}"]
             )
-        table.add_row(
-            r.name,
-            "[green]yes[/]" if r.loss_identical else "[red]NO[/]",
-            f"{r.max_abs_grad_diff:.1e}",
-            "[green]match[/]" if r.census_match else "[red]MISMATCH[/]",
-            mib(r.activation_bytes),
-            f"{r.activation_bytes / none.activation_bytes:.2f}" if none else "-",
-            mib(r.peak_bytes),
-            mib(result.floor_bytes),
-            f"{r.step_median_s:.3f}",
-            f"{r.ratio_to_none:.3f} ± {r.ratio_spread:.3f}",
-            recomputed_gflop(r, none),
-            "-" if r.predicted_ratio is None else f"{r.predicted_ratio:.3f}",
-            *per_rank,
-        )
+        table.add_row(r.name, *cells)
     return table
 
 

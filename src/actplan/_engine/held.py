@@ -17,6 +17,7 @@ from torch import nn
 
 from actplan._engine.ops import IGNORED_OP_IDS
 from actplan._torch_internals import (
+    DEVICE_QUERY,
     FakeTensor,
     TorchDispatchMode,
     detach_alias,
@@ -292,6 +293,8 @@ def _segment_dispatch(self: SegmentMode, func, types, args=(), kwargs=None):
     if kwargs is None:
         kwargs = {}
     if id(func) in IGNORED_OP_IDS:
+        if func is DEVICE_QUERY:  # answered here: no mode below has anything to do with it
+            return args[0].device
         return func(*args, **kwargs)
     return self.run_op(func, args, kwargs)
 

@@ -73,7 +73,15 @@ except ImportError as error:  # pragma: no cover - depends on the installed torc
         f"tested with {TESTED_TORCH}. Install one of those."
     ) from error
 
+DEVICE_QUERY = torch.ops.prim.device.default
+"""``tensor.device`` asked from C++ of a tensor that answers it in Python (a fake tensor does):
+torch dispatches it through every mode on the stack, some ten times per op a kernel runs. A mode
+that only watches ops answers it at once with ``args[0].device`` (a Python property there, no
+dispatch): it allocates nothing and runs no kernel, and each mode it passes through costs
+several microseconds."""
+
 __all__ = [
+    "DEVICE_QUERY",
     "DataDependentOutputException",
     "DynamicOutputShapeException",
     "FakeTensor",

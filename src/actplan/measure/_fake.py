@@ -48,6 +48,7 @@ import torch
 from torch import nn
 
 from actplan._torch_internals import (
+    DEVICE_QUERY,
     DataDependentOutputException,
     DynamicOutputShapeException,
     FakeTensor,
@@ -104,6 +105,7 @@ def balanced_counts(total: int, bins: int) -> list[int]:
     return [share + (index < extra) for index in range(bins)]
 
 
+_BINCOUNT = torch.ops.aten.bincount.default
 try:
     _WAIT_TENSOR = torch.ops._c10d_functional.wait_tensor.default
     _ALL_TO_ALL = torch.ops._c10d_functional.all_to_all_single.default
@@ -139,8 +141,10 @@ class _Routing(TorchDispatchMode):
         self.values_known = False  # whether any fake tensor carries values yet
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is DEVICE_QUERY:
+            return args[0].device
         kwargs = kwargs or {}
-        if func is torch.ops.aten.bincount.default and is_fake(args[0]):
+        if func is _BINCOUNT and is_fake(args[0]):
             return self._bincount(*args, **kwargs)
         if func is _WAIT_TENSOR and func is not None and is_fake(args[0]):
             # The real kernel hands back the tensor it waited on; the fake one returns a new
@@ -357,7 +361,7 @@ class RoutingRecorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func is torch.ops.aten.bincount.default:
+        if func is _BINCOUNT:
             self.counts.append(out.tolist())
         elif func is _ALL_TO_ALL and func is not None and _has_counts(out):
             self._exchanges.add(id(out))

@@ -20,7 +20,7 @@ import torch
 from torch.utils import flop_counter
 
 from actplan._storage import storage_key
-from actplan._torch_internals import TorchDispatchMode, op_schema, tree_flatten
+from actplan._torch_internals import DEVICE_QUERY, TorchDispatchMode, op_schema, tree_flatten
 
 __all__ = ["ACCELERATORS", "Accelerator", "RooflineClock", "accelerator", "op_flops"]
 
@@ -195,6 +195,8 @@ class RooflineClock(TorchDispatchMode):
         self.by_op: dict[str, OpCost] = defaultdict(OpCost)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is DEVICE_QUERY:
+            return args[0].device
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         in_leaves = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from actplan._torch_internals import (
+    DEVICE_QUERY,
     FakeTensor,
     FakeTensorMode,
     TorchDispatchMode,
@@ -191,6 +192,8 @@ class StorageTracker(TorchDispatchMode):
         self._propagation = self._propagating = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is DEVICE_QUERY:
+            return args[0].device
         kwargs = kwargs or {}
         if self._propagating is not None and self._propagating():
             return func(*args, **kwargs)

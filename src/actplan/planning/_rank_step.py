@@ -345,12 +345,13 @@ def _collected_between_steps() -> Iterator[None]:
     holds is then freed at the same point in every process, so the trace does not depend on
     when a collection happened to run. What is alive on entry is frozen (``gc.freeze``) for
     the while, so each collection walks only what the steps made, not all of torch's objects;
-    unless the caller has frozen objects itself, whose freeze is left as it is."""
+    unless the caller has frozen objects itself, whose freeze is left as it is. Garbage from
+    before is frozen with the rest and collected after: it predates the meter's window, so it
+    never counts."""
     enabled = gc.isenabled()
     gc.disable()
     freezing = gc.get_freeze_count() == 0
-    if freezing:
-        gc.collect()
+    if freezing:  # no collection first: it would walk every object torch made (tenths of a second)
         gc.freeze()
     try:
         yield

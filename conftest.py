@@ -1,13 +1,17 @@
 """For every test folder (``tests/``, ``bench/tests/``): under pytest-xdist (``make test`` runs
 ``-n auto``) each worker gives torch its share of the cores, and so do the processes the tests
 start (torchrun ranks, CLI runs). Two workers of two threads each on two cores wait on each
-other and run slower than one worker alone."""
+other and run slower than one worker alone. For the same reason an ``actplan estimate`` the
+tests run steps its presets in its own process (``ACTPLAN_WORKERS=1``) unless a test asks for
+worker processes."""
 
 from __future__ import annotations
 
 import os
 
 import torch
+
+os.environ.setdefault("ACTPLAN_WORKERS", "1")
 
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _WORKERS > 1:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
-from dataclasses import replace
+from dataclasses import asdict, replace
 
 import pytest
 import torch
@@ -17,6 +17,7 @@ from actplan.config import RecomputeConfig
 from actplan.measure import AllocatorSettings
 from actplan.models.shape import Shape, load_shape, shape_from_hf_config, shape_names
 from actplan.planning._rank_step import rank_step
+from actplan.planning._workers import WORKERS_ENV, default_workers, run_calls, usable_cores
 from actplan.planning.estimate import TrainingSetup, estimate, preset_step
 
 SMALL = Shape(layers=2, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=128, seq=32, batch=2, dtype="fp32")
@@ -317,12 +318,41 @@ def test_shipped_shapes_load_and_say_where_they_come_from():
         (["--shape", "llama3-8b", "--titan", "llama3:8B"], "give one of --shape, --titan, not several"),
         (["--titan", "llama3:8B", "--heads", "16"], "--heads would change torchtitan's model"),
         (["--titan", "llama3:8B", "--fsdp", "8", "--tp", "2"], "runs FSDP layouts only"),
+        (["--shape", "llama3-8b", "--workers", "0"], "--workers must be 1 or more processes, got 0"),
     ],
 )  # fmt: skip
 def test_bad_input_is_one_line_naming_the_problem(argv, message, capsys):
     assert main(["estimate", "--quiet", *argv]) == 2
     out = " ".join(capsys.readouterr().out.split())
     assert message in out, out
+
+
+@pytest.mark.slow
+def test_presets_stepped_in_worker_processes_give_the_rows_one_process_gives():
+    presets = ("none", "full", "matmuls")
+    here = estimate(SMALL, presets, fsdp=2)
+    there = estimate(SMALL, presets, fsdp=2, workers=2)
+    assert [asdict(row) for row in there.rows] == [asdict(row) for row in here.rows]
+    assert (there.parameters, there.static_bytes) == (here.parameters, here.static_bytes)
+
+
+def test_worker_processes_return_results_in_order_and_raise_a_workers_error():
+    finished = []
+    calls = [(pow, (2, n), {}) for n in range(5)]
+    assert run_calls(calls, 2, finished.append) == [2**n for n in range(5)]
+    assert sorted(finished) == list(range(5))
+    with pytest.raises(ValueError, match="invalid literal for int"):
+        run_calls([(pow, (2, 3), {}), (int, ("eight",), {})], 2)
+
+
+def test_the_default_workers_come_from_the_environment_or_the_cores(monkeypatch):
+    monkeypatch.setenv(WORKERS_ENV, "3")
+    assert default_workers() == 3
+    monkeypatch.delenv(WORKERS_ENV)
+    assert default_workers() == usable_cores() >= 1
+    monkeypatch.setenv(WORKERS_ENV, "many")
+    with pytest.raises(ValueError, match="ACTPLAN_WORKERS='many' must be a whole number of processes"):
+        default_workers()
 
 
 def test_unknown_gpu_lists_the_table(capsys):

@@ -53,6 +53,7 @@ def shape_from_args(args: argparse.Namespace):
 
 def estimate(args: argparse.Namespace, console: Console) -> int:
     from actplan.measure import AllocatorSettings, settings_from_env
+    from actplan.planning._workers import default_workers
     from actplan.planning.estimate import TrainingSetup
     from actplan.planning.estimate import estimate as run_estimate
 
@@ -80,6 +81,7 @@ def estimate(args: argparse.Namespace, console: Console) -> int:
         allocator=allocator,
         training=TrainingSetup(args.optimizer, args.optimizer_impl, args.grad_accum, args.freeze),
         progress=progress,
+        workers=default_workers() if args.workers is None else args.workers,
     )
     console.print(estimate_table(result))
     for note in result.notes:

@@ -191,6 +191,12 @@ def _add_estimate(sub) -> None:
     )
     parser.add_argument("--out", metavar="PATH", help="write the plan for --budget (implies --plan)")
     parser.add_argument("--json", metavar="PATH", help="write the estimate as JSON")
+    parser.add_argument(
+        "--workers",
+        type=int,
+        help="processes stepping the presets at once (default: ACTPLAN_WORKERS, else the usable "
+        "cores); 1 steps them one after another here",
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress lines")
 
 

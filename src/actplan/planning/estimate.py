@@ -33,6 +33,11 @@ How a rank is run depends on the layout:
   ``4 s b h (1 - 1/tp)`` bytes per layer too many); balanced routing for experts. The
   static part is allocated first in the replayed trace, tensor by tensor.
 
+The presets are independent runs of pure-Python fake-tensor dispatch, one core each: with
+``workers`` above one they step in that many worker processes at once (``_workers``; the
+command line's ``--workers``, by default one per usable core). A preset's step is
+``_preset_row.preset_row``.
+
 Times are estimates (``measure.RooflineClock``): forward and backward (plans: as the planner
 predicts them, optimizer step included), no communication. Imports install, measure, models
 and the planning package.
@@ -40,64 +45,23 @@ and the planning package.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from torch import nn
-
-from actplan._install.apply import apply, find_layers
 from actplan._install.baselines import check_name
 from actplan.config import RecomputeConfig
-from actplan.measure import (
-    AllocatorSettings,
-    FakeRun,
-    MemoryMeter,
-    RooflineClock,
-    accelerator,
-    replay_allocations,
-)
-from actplan.models import build_model, loss_of
-from actplan.models.shape import DTYPES, Shape
-from actplan.planning._estimate_plans import default_dtype, plan_within, plans_for
-from actplan.planning._rank_step import (
-    CUDA_CONTEXT_BYTES,
-    expert_layout_refusal,
-    formula_trace,
-    install,
-    nccl_bytes,
-    rank_step,
-)
+from actplan.measure import AllocatorSettings, accelerator
+from actplan.models.shape import Shape
+from actplan.planning._estimate_plans import plan_within, plans_for
+from actplan.planning._preset_row import EstimateRow, PresetJob, RankSizes, preset_row, preset_step
+from actplan.planning._rank_step import CUDA_CONTEXT_BYTES, expert_layout_refusal, nccl_bytes
 from actplan.planning._training import DEFAULT_TRAINING, TrainingSetup
+from actplan.planning._workers import run_calls
 from actplan.sizes import human_bytes
 
 __all__ = ["EstimateResult", "EstimateRow", "TrainingSetup", "estimate", "preset_step"]
-
-
-@dataclass
-class EstimateRow:
-    """One preset's or plan's step at the estimated shape, on one GPU."""
-
-    preset: str
-    activation_bytes: int  # alive at the end of forward
-    step_peak_bytes: int  # what the step allocates at its peak (activations, transients)
-    peak_bytes: int  # step_peak_bytes plus the static memory: what tensors request
-    flops: int
-    seconds: float  # roofline estimate of forward and backward
-    ratio_to_none: float | None = None
-    # The caching-allocator model's replay of the same trace: blocks handed out (rounded) and
-    # segments reserved at their peaks, and what the device holds outside the allocator.
-    allocated_peak_bytes: int = 0
-    reserved_peak_bytes: int = 0
-    outside_allocator_bytes: int = 0
-    fits: bool | None = None  # reserved + outside_allocator_bytes within the budget or the GPU
-    # Plans only: the budget asked for, the planner's predictions and the plan itself.
-    budget_bytes: int | None = None
-    predicted_peak_bytes: int | None = None
-    predicted_ratio: float | None = None
-    plan_yaml: str | None = None
 
 
 @dataclass
@@ -133,76 +97,6 @@ class EstimateResult:
         return min(fitting, key=lambda row: row.seconds) if fitting else None
 
 
-def _drop_grads_when_complete(model: nn.Module) -> None:
-    # As FSDP's reduce-scatter frees the unsharded gradient once it is complete.
-    for param in model.parameters():
-        if param.requires_grad:
-            param.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
-
-
-@dataclass(frozen=True)
-class _Sizes:
-    parameters: int  # on this rank
-    expert_parameters: int  # of those, the routed experts'
-    largest_unit: int  # parameters of the largest gathered unit
-    tensors: tuple[tuple[int, bool], ...] = ()  # each parameter's (numel, is a routed expert's)
-
-
-def _sizes(model: nn.Module) -> _Sizes:
-    units = [layer for _, layer in find_layers(model)]
-    units += [m for m in model.modules() if isinstance(m, nn.Embedding)]
-    units += [m for name, m in model.named_modules() if name.endswith(("output", "lm_head"))]
-    tensors = tuple((p.numel(), ".experts." in n) for n, p in model.named_parameters())
-    return _Sizes(
-        parameters=sum(numel for numel, _ in tensors),
-        expert_parameters=sum(numel for numel, expert in tensors if expert),
-        largest_unit=max(sum(p.numel() for p in unit.parameters()) for unit in units),
-        tensors=tensors,
-    )
-
-
-def _traced_step(
-    shape: Shape, preset: str | RecomputeConfig, gpu: str, fake: bool = True
-) -> tuple[EstimateRow, _Sizes, list[tuple[int, int, int, int]]]:
-    """``preset_step``, with the step's allocation trace."""
-    run = FakeRun() if fake else contextlib.nullcontext()
-    with default_dtype(DTYPES[shape.dtype]), run:
-        bundle = build_model(shape.model, "small", **shape.model_overrides())
-        model = bundle.model
-        config = install(model, preset)
-        if config != "none":
-            apply(model, config)
-        _drop_grads_when_complete(model)
-        sizes = _sizes(model)
-        batch = bundle.batch(0, FakeRun.device)
-        clock = RooflineClock(gpu)
-        meter = MemoryMeter(model, trace_allocations=True)
-        with meter, clock:
-            loss = loss_of(model(**batch))
-            forward_end = meter.mark("forward_end").activation_bytes
-            loss.backward()
-        report = meter.report()
-    row = EstimateRow(
-        preset=preset if isinstance(preset, str) else "plan",
-        activation_bytes=forward_end,
-        step_peak_bytes=report.peak_live_bytes,
-        peak_bytes=0,
-        flops=clock.flops,
-        seconds=clock.seconds,
-    )
-    return row, sizes, meter.allocation_trace()
-
-
-def preset_step(
-    shape: Shape, preset: str | RecomputeConfig, gpu: str, fake: bool = True
-) -> tuple[EstimateRow, _Sizes]:
-    """One preset's (or config's, or baseline's) metered, clocked step of ``shape``'s bare
-    layer stack; with ``fake=False`` the same step on real tensors (the tests compare the
-    two). Returns the row and the rank's sizes."""
-    row, sizes, _ = _traced_step(shape, preset, gpu, fake)
-    return row, sizes
-
-
 def estimate(
     shape: Shape,
     presets: Sequence[str] = ("none", "full", "attn", "matmuls", "megatron-selective"),
@@ -216,6 +110,7 @@ def estimate(
     allocator: AllocatorSettings | None = None,
     training: TrainingSetup = DEFAULT_TRAINING,
     progress: Callable[[str], None] | None = None,
+    workers: int = 1,
 ) -> EstimateResult:
     """Each preset's memory per GPU (requested, allocated and reserved) and estimated step
     time at ``shape`` on one rank of the layout (FSDP over ``fsdp``, tensor parallel over
@@ -223,7 +118,9 @@ def estimate(
     (torch's defaults when ``None``); with ``plans``, the planner's plan for ``budget_bytes``
     (or three budgets across the feasible range), each stepped like a preset;
     ``training`` is the optimizer, the micro-batches per step and the frozen parameters
-    (``TrainingSetup``; AdamW, one micro-batch, nothing frozen by default). See the module doc."""
+    (``TrainingSetup``; AdamW, one micro-batch, nothing frozen by default). ``workers`` steps
+    the presets in that many processes at once (``_workers.run_calls``; the plans, each chosen
+    after the last, step here). See the module doc."""
     accel = accelerator(gpu)
     if fsdp < 1:
         raise ValueError(f"--fsdp must be 1 or more ranks, got {fsdp}")
@@ -251,6 +148,8 @@ def estimate(
             "expert-parallel layout does not run on (its static memory is AdamW's formula); leave them "
             f"out, or give --ep equal to --fsdp ({fsdp}) without --tp"
         )
+    if workers < 1:
+        raise ValueError(f"--workers must be 1 or more processes, got {workers}")
     if not presets and not plans:
         raise ValueError("no presets to estimate; name at least one (e.g. none,full)")
     for preset in presets:
@@ -263,41 +162,38 @@ def estimate(
     outside = CUDA_CONTEXT_BYTES + nccl_bytes(groups)
     say = progress or (lambda line: None)
     started = time.perf_counter()
+    job = PresetJob(shape, rank_shape, measured, fsdp, tp, ep, accel.name, settings, training, outside)
     sizes = None
     static = gathered = 0
 
-    def step(preset: str | RecomputeConfig) -> EstimateRow:
+    def record(stepped: tuple[EstimateRow, RankSizes, int, int]) -> EstimateRow:
         nonlocal sizes, static, gathered
+        row, rank_sizes, static, gathered = stepped
+        sizes = sizes or rank_sizes
+        return row
+
+    def step(preset: str | RecomputeConfig) -> EstimateRow:
         name = preset if isinstance(preset, str) else "plan"
         if measured:
             say(f"stepping {name} through parallelize over {fsdp * tp} fake ranks")
-            ran = rank_step(shape, preset, fsdp, accel.name, settings, tp=tp, training=training, ep=ep)
-            static = ran.resident_bytes
-            row = EstimateRow(
-                preset=name,
-                activation_bytes=ran.activation_bytes,
-                step_peak_bytes=ran.step_peak_bytes,
-                peak_bytes=ran.peak_bytes,
-                flops=ran.flops,
-                seconds=ran.seconds,
-            )
-            report = ran.allocator
-            if sizes is None:
-                sizes = _Sizes(ran.parameters, 0, 0)
         else:
             say(f"stepping {name}'s layers on fake tensors")
-            row, sizes, events = _traced_step(rank_shape, preset, accel.name)
-            static, gathered, tensors = _formula(sizes, fsdp, ep, DTYPES[shape.dtype].itemsize)
-            row.peak_bytes = static + gathered + row.step_peak_bytes
-            report = replay_allocations(
-                formula_trace(tensors, sizes.largest_unit * DTYPES[shape.dtype].itemsize, events), settings
-            )
-        row.allocated_peak_bytes = report.peak_allocated_bytes
-        row.reserved_peak_bytes = report.peak_reserved_bytes
-        row.outside_allocator_bytes = outside
-        return row
+        return record(preset_row(job, preset))
 
-    rows = [step(preset) for preset in presets]
+    workers = min(workers, len(presets))
+    if workers > 1:
+        how = (
+            f"through parallelize over {fsdp * tp} fake ranks" if measured else "their layers on fake tensors"
+        )
+        say(f"stepping {', '.join(presets)} ({how}) in {workers} worker processes")
+        stepped = run_calls(
+            [(preset_row, (job, preset), {}) for preset in presets],
+            workers,
+            lambda index: say(f"stepped {presets[index]} ({time.perf_counter() - started:.0f} s)"),
+        )
+        rows = [record(one) for one in stepped]
+    else:
+        rows = [step(preset) for preset in presets]
     if sizes is None:
         step("full")
     refused: list[str] = []
@@ -412,12 +308,3 @@ def estimate(
         seconds_taken=time.perf_counter() - started,
         notes=notes,
     )
-
-
-def _formula(sizes: _Sizes, fsdp: int, ep: int, itemsize: int) -> tuple[int, int, list[tuple[int, int]]]:
-    """The stated formula's static and gathered bytes, and the tensors it stands for as
-    ``(numel, shards)``: non-expert parameters over ``fsdp`` ranks, experts over ``fsdp/ep``."""
-    dense_params = sizes.parameters - sizes.expert_parameters
-    static = 16 * dense_params // fsdp + 16 * sizes.expert_parameters * ep // fsdp
-    tensors = [(numel, fsdp // ep if expert else fsdp) for numel, expert in sizes.tensors]
-    return static, 2 * sizes.largest_unit * itemsize, tensors

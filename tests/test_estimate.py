@@ -17,7 +17,7 @@ from actplan.config import RecomputeConfig
 from actplan.measure import AllocatorSettings
 from actplan.models.shape import Shape, load_shape, shape_from_hf_config, shape_names
 from actplan.planning._rank_step import rank_step
-from actplan.planning._workers import WORKERS_ENV, default_workers, run_calls, usable_cores
+from actplan.planning._workers import WORKERS_ENV, Workers, default_workers, usable_cores
 from actplan.planning.estimate import TrainingSetup, estimate, preset_step
 
 SMALL = Shape(layers=2, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=128, seq=32, batch=2, dtype="fp32")
@@ -328,21 +328,26 @@ def test_bad_input_is_one_line_naming_the_problem(argv, message, capsys):
 
 
 @pytest.mark.slow
-def test_presets_stepped_in_worker_processes_give_the_rows_one_process_gives():
-    presets = ("none", "full", "matmuls")
-    here = estimate(SMALL, presets, fsdp=2)
-    there = estimate(SMALL, presets, fsdp=2, workers=2)
+def test_worker_processes_give_the_rows_and_plans_one_process_gives():
+    presets = ("full", "matmuls")  # `none` is stepped for the planner all the same
+    here = estimate(SMALL, presets, fsdp=2, plans=True)
+    there = estimate(SMALL, presets, fsdp=2, plans=True, workers=2)
+    assert len(here.plans) == 3 and [row.preset for row in here.rows[:2]] == list(presets)
     assert [asdict(row) for row in there.rows] == [asdict(row) for row in here.rows]
-    assert (there.parameters, there.static_bytes) == (here.parameters, here.static_bytes)
+    same = (here.parameters, here.static_bytes, here.notes)
+    assert (there.parameters, there.static_bytes, there.notes) == same
 
 
-def test_worker_processes_return_results_in_order_and_raise_a_workers_error():
+@pytest.mark.parametrize("count", [1, 2])
+def test_workers_return_results_in_order_and_raise_a_workers_error(count):
     finished = []
-    calls = [(pow, (2, n), {}) for n in range(5)]
-    assert run_calls(calls, 2, finished.append) == [2**n for n in range(5)]
-    assert sorted(finished) == list(range(5))
-    with pytest.raises(ValueError, match="invalid literal for int"):
-        run_calls([(pow, (2, 3), {}), (int, ("eight",), {})], 2)
+    with Workers(count) as workers:
+        assert workers.parallel == (count > 1)
+        assert workers.run([(pow, (2, n), {}) for n in range(5)], finished.append) == [2**n for n in range(5)]
+        assert sorted(finished) == list(range(5))
+        assert workers.submit(divmod, 7, 2).result() == (3, 1)
+        with pytest.raises(ValueError, match="invalid literal for int"):
+            workers.run([(pow, (2, 3), {}), (int, ("eight",), {})])
 
 
 def test_the_default_workers_come_from_the_environment_or_the_cores(monkeypatch):

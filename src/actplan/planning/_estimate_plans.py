@@ -22,7 +22,7 @@ from actplan.planning.profile import ModelProfile, profile_model
 from actplan.progress import PlainLines
 from actplan.sizes import human_bytes
 
-__all__ = ["Planner", "deepened", "default_dtype", "plan_within", "plans_for"]
+__all__ = ["Planner", "deepened", "default_dtype", "plan_within", "planner_for", "shallow_profile"]
 
 
 @contextlib.contextmanager
@@ -98,27 +98,27 @@ class Planner:
         return config_for(self.profile, solution.choices, header), solution.predicted_peak_bytes, ratio
 
 
-def plans_for(
-    shape: Shape, gpu: str, static: int, usable: int, base_seconds: float, say: Callable[[str], None]
-) -> Planner:
-    """Profile and plan on fake tensors with the roofline clock. The default budgets are three
-    spread over the feasible range of requested bytes, up to ``usable`` where it cuts the
-    range short (the last then at it)."""
-    # Profiled on a shallow stack (the dense prefix and a few alike layers), then deepened: its
-    # whole-model steps are what a profile spends most on. The plans' own steps check it.
+def shallow_profile(shape: Shape, gpu: str, say: Callable[[str], None] | None = None) -> ModelProfile:
+    """The profile of a shallow stack of ``shape`` (the dense prefix and a few alike layers)
+    on fake tensors with the roofline clock: its whole-model steps are what a profile spends
+    most on, and ``planner_for`` deepens it. ``say`` gets a progress line per tenth of the work."""
     shallow = replace(shape, layers=min(shape.layers, (shape.first_k_dense or 0) + _PROFILE_DEPTH))
+    # A line per tenth of the work, with the count and the time left, as `plan` shows.
+    lines = None
+    if say is not None:
+        lines = PlainLines(lambda line: say(line.replace("profiling: ", "profiling on fake tensors: ", 1)))
     with default_dtype(DTYPES[shape.dtype]), FakeRun() as fake:
         bundle = build_for_shape(shallow)
-        profile = profile_model(
-            bundle,
-            spec=shape.name,
-            device=fake.device,
-            gpu=gpu,
-            # A line per tenth of the work, with the count and the time left, as `plan` shows.
-            progress=PlainLines(
-                lambda line: say(line.replace("profiling: ", "profiling on fake tensors: ", 1))
-            ),
-        )
+        return profile_model(bundle, spec=shape.name, device=fake.device, gpu=gpu, progress=lines)
+
+
+def planner_for(
+    profile: ModelProfile, shape: Shape, gpu: str, static: int, usable: int, base_seconds: float
+) -> Planner:
+    """The planner over ``shallow_profile``'s profile deepened to ``shape``'s layers, with the
+    estimate's measured ``static`` bytes and ``none``'s ``base_seconds``. The default budgets
+    are three spread over the feasible range of requested bytes, up to ``usable`` where it
+    cuts the range short (the last then at it). The plans' own steps check it."""
     profile = deepened(profile, shape.layers, base_seconds)
     with default_dtype(DTYPES[shape.dtype]), torch.device("meta"):
         whole = build_for_shape(shape)  # the layers and classes the plan will meet

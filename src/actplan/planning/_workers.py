@@ -1,12 +1,12 @@
 """Independent steps of an estimate run side by side, one worker process per core.
 
-Each preset's step at a real shape is a separate run of the model on fake tensors: a few
-seconds to a minute of pure Python (torch's fake-tensor dispatch), single-threaded, sharing
-nothing with the next preset's. ``run_calls`` hands such calls to worker processes, started
-with ``spawn`` (a fresh interpreter: no inherited torch threads or process group; each
-imports torch once) and returns their results in the order given, whatever order they finish
-in. A worker's error is raised here as it was raised there, and the calls not yet started are
-dropped.
+Each preset's step at a real shape is a separate run of the model on fake tensors: seconds to
+a minute of pure Python (torch's fake-tensor dispatch) on one core, sharing nothing with the
+next preset's. ``Workers`` hands such calls to worker processes, started with ``spawn`` (a
+fresh interpreter: no inherited torch threads or process group; each imports torch once, and
+the pool lives as long as the ``with`` block, so that import is paid once per worker). With one
+worker there is no pool: each call runs here, when it is submitted. A worker's error is raised
+here as it was raised there; on the way out the calls not yet started are dropped.
 
 ``default_workers`` is what ``actplan estimate --workers`` defaults to: the ``ACTPLAN_WORKERS``
 environment variable when set (the test suite sets it to 1, as its own workers share the
@@ -18,10 +18,10 @@ from __future__ import annotations
 import multiprocessing
 import os
 from collections.abc import Callable, Sequence
-from concurrent.futures import FIRST_EXCEPTION, Future, ProcessPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from typing import Any
 
-__all__ = ["WORKERS_ENV", "default_workers", "run_calls", "usable_cores"]
+__all__ = ["WORKERS_ENV", "Workers", "default_workers", "usable_cores"]
 
 WORKERS_ENV = "ACTPLAN_WORKERS"
 
@@ -58,35 +58,69 @@ def _start_worker() -> None:
     torch.set_num_threads(1)
 
 
-def run_calls(calls: Sequence[Call], workers: int, done: Callable[[int], None] | None = None) -> list[Any]:
-    """``fn(*args, **kwargs)`` for each call, in up to ``workers`` processes (here, in this
-    process, with one worker or one call); the results in the calls' order. ``done(index)`` is
-    told as each call finishes."""
-    if workers < 1:
-        raise ValueError(f"workers must be 1 or more, got {workers}")
-    if workers == 1 or len(calls) <= 1:
-        results = []
+class Workers:
+    """Up to ``count`` worker processes while the ``with`` block lasts (none with ``count`` 1).
+
+    ::
+
+        with Workers(2) as workers:
+            rows = workers.run([(step, (job, "none"), {}), (step, (job, "full"), {})])
+            later = workers.submit(step, job, "attn")  # a Future
+    """
+
+    def __init__(self, count: int) -> None:
+        if count < 1:
+            raise ValueError(f"workers must be 1 or more processes, got {count}")
+        self.count = count
+        self._pool: ProcessPoolExecutor | None = None
+
+    @property
+    def parallel(self) -> bool:
+        """Whether calls run in worker processes (and so may be waited on from several threads)."""
+        return self._pool is not None
+
+    def __enter__(self) -> Workers:
+        if self.count > 1:
+            self._pool = ProcessPoolExecutor(
+                max_workers=self.count,
+                mp_context=multiprocessing.get_context("spawn"),
+                initializer=_start_worker,
+            )
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+
+    def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future:
+        """``fn(*args, **kwargs)`` in a worker; without workers, run now. Its ``Future``."""
+        if self._pool is not None:
+            return self._pool.submit(fn, *args, **kwargs)
+        future: Future = Future()
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except Exception as error:  # raised again by future.result(), as a worker's would be
+            future.set_exception(error)
+        return future
+
+    def run(self, calls: Sequence[Call], done: Callable[[int], None] | None = None) -> list[Any]:
+        """Each call's result, in the calls' order; ``done(index)`` as each finishes. The first
+        error raised stops the wait and is raised here."""
+        futures = []
         for index, (fn, args, kwargs) in enumerate(calls):
-            results.append(fn(*args, **kwargs))
-            if done is not None:
-                done(index)
-        return results
-    pool = ProcessPoolExecutor(
-        max_workers=min(workers, len(calls)),
-        mp_context=multiprocessing.get_context("spawn"),
-        initializer=_start_worker,
-    )
-    futures: list[Future] = []
-    try:
-        futures = [pool.submit(fn, *args, **kwargs) for fn, args, kwargs in calls]
-        index_of = {id(future): index for index, future in enumerate(futures)}
-        pending = set(futures)
-        while pending:
-            finished, pending = wait(pending, return_when=FIRST_EXCEPTION)
-            for future in sorted(finished, key=lambda f: index_of[id(f)]):
-                future.result()  # raises a worker's error here
+            futures.append(self.submit(fn, *args, **kwargs))
+            if self._pool is None:
+                futures[-1].result()
                 if done is not None:
-                    done(index_of[id(future)])
+                    done(index)
+        if self._pool is not None:
+            index_of = {id(future): index for index, future in enumerate(futures)}
+            pending = set(futures)
+            while pending:
+                finished, pending = wait(pending, return_when=FIRST_COMPLETED)
+                for future in sorted(finished, key=lambda f: index_of[id(f)]):
+                    future.result()
+                    if done is not None:
+                        done(index_of[id(future)])
         return [future.result() for future in futures]
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)

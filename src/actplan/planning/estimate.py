@@ -35,7 +35,8 @@ How a rank is run depends on the layout:
 
 The presets are independent runs of pure-Python fake-tensor dispatch, one core each: with
 ``workers`` above one they step in that many worker processes at once (``_workers``; the
-command line's ``--workers``, by default one per usable core). A preset's step is
+command line's ``--workers``, by default one per usable core), the planner's profile beside
+them, and then each budget's plan tries beside the other budgets'. A preset's step is
 ``_preset_row.preset_row``.
 
 Times are estimates (``measure.RooflineClock``): forward and backward (plans: as the planner
@@ -47,6 +48,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -54,11 +56,11 @@ from actplan._install.baselines import check_name
 from actplan.config import RecomputeConfig
 from actplan.measure import AllocatorSettings, accelerator
 from actplan.models.shape import Shape
-from actplan.planning._estimate_plans import plan_within, plans_for
-from actplan.planning._preset_row import EstimateRow, PresetJob, RankSizes, preset_row, preset_step
+from actplan.planning._estimate_plans import Planner, plan_within, planner_for, shallow_profile
+from actplan.planning._preset_row import EstimateRow, PresetJob, preset_row, preset_step
 from actplan.planning._rank_step import CUDA_CONTEXT_BYTES, expert_layout_refusal, nccl_bytes
 from actplan.planning._training import DEFAULT_TRAINING, TrainingSetup
-from actplan.planning._workers import run_calls
+from actplan.planning._workers import Workers
 from actplan.sizes import human_bytes
 
 __all__ = ["EstimateResult", "EstimateRow", "TrainingSetup", "estimate", "preset_step"]
@@ -119,8 +121,8 @@ def estimate(
     (or three budgets across the feasible range), each stepped like a preset;
     ``training`` is the optimizer, the micro-batches per step and the frozen parameters
     (``TrainingSetup``; AdamW, one micro-batch, nothing frozen by default). ``workers`` steps
-    the presets in that many processes at once (``_workers.run_calls``; the plans, each chosen
-    after the last, step here). See the module doc."""
+    the presets in that many processes at once (``_workers.Workers``; the planner's budgets are
+    tried side by side too). See the module doc."""
     accel = accelerator(gpu)
     if fsdp < 1:
         raise ValueError(f"--fsdp must be 1 or more ranks, got {fsdp}")
@@ -163,62 +165,32 @@ def estimate(
     say = progress or (lambda line: None)
     started = time.perf_counter()
     job = PresetJob(shape, rank_shape, measured, fsdp, tp, ep, accel.name, settings, training, outside)
-    sizes = None
-    static = gathered = 0
-
-    def record(stepped: tuple[EstimateRow, RankSizes, int, int]) -> EstimateRow:
-        nonlocal sizes, static, gathered
-        row, rank_sizes, static, gathered = stepped
-        sizes = sizes or rank_sizes
-        return row
-
-    def step(preset: str | RecomputeConfig) -> EstimateRow:
-        name = preset if isinstance(preset, str) else "plan"
-        if measured:
-            say(f"stepping {name} through parallelize over {fsdp * tp} fake ranks")
-        else:
-            say(f"stepping {name}'s layers on fake tensors")
-        return record(preset_row(job, preset))
-
-    workers = min(workers, len(presets))
-    if workers > 1:
-        how = (
-            f"through parallelize over {fsdp * tp} fake ranks" if measured else "their layers on fake tensors"
-        )
-        say(f"stepping {', '.join(presets)} ({how}) in {workers} worker processes")
-        stepped = run_calls(
-            [(preset_row, (job, preset), {}) for preset in presets],
-            workers,
-            lambda index: say(f"stepped {presets[index]} ({time.perf_counter() - started:.0f} s)"),
-        )
-        rows = [record(one) for one in stepped]
-    else:
-        rows = [step(preset) for preset in presets]
-    if sizes is None:
-        step("full")
+    how = f"through parallelize over {fsdp * tp} fake ranks" if measured else "their layers bare"
+    # The planner needs `none`'s row (and some row's static bytes), stepped with the presets.
+    names = [*presets, *(["none"] if plans and "none" not in presets else [])]
+    # One TP rank's share is profiled; a transformers class under TP gathers its logits whole
+    # on every rank (its loss is not loss parallel), so its profile keeps the vocabulary.
+    profiled = replace(rank_shape, vocab=shape.vocab) if measured and shape.hf_config else rank_shape
     refused: list[str] = []
-    if plans:
-        none_row = next((r for r in rows if r.preset == "none"), None) or step("none")
-        # One TP rank's share is profiled; a transformers class under TP gathers its logits
-        # whole on every rank (its loss is not loss parallel), so its profile keeps the vocabulary.
-        profiled = replace(rank_shape, vocab=shape.vocab) if measured and shape.hf_config else rank_shape
-        planner = plans_for(
-            profiled, accel.name, static + gathered, accel.memory_bytes - outside, none_row.seconds, say
+    with Workers(min(workers, len(names) + plans)) as pool:
+        where = f"in {pool.count} worker processes" if pool.parallel else "one after another"
+        say(f"stepping {', '.join(names)} ({how} on fake tensors) {where}")
+        profiling = None
+        if plans and pool.parallel:  # the profile needs no row: it runs beside them
+            say("profiling on fake tensors in a worker process, beside them")
+            profiling = pool.submit(shallow_profile, profiled, accel.name)
+        stepped = pool.run(
+            [(preset_row, (job, name), {}) for name in names],
+            lambda index: say(f"stepped {names[index]} ({time.perf_counter() - started:.0f} s)"),
         )
-        # A budget is what the GPU must hold: reserved plus what sits outside the allocator. The
-        # default ones are the planner's (requested bytes) plus both, the reserve as `none`'s.
-        reserve = none_row.reserved_peak_bytes - none_row.peak_bytes
-        targets = (
-            [budget_bytes]
-            if budget_bytes is not None
-            else [int(min(b + reserve + outside, accel.memory_bytes)) for b in planner.budgets]
-        )
-        for target in targets:
-            # Each budget starts from none's reserve: under TP the planner's figure is off by an
-            # amount that changes with the plan, so a gap learnt on another budget misleads.
-            row = plan_within(planner, target, outside, step, say, refused, reserve)
-            if row is not None:
-                rows.append(row)
+        rows = [row for row, *_ in stepped[: len(presets)]]
+        _, sizes, static, gathered = stepped[-1]
+        if plans:
+            none_row = stepped[names.index("none")][0]
+            profile = profiling.result() if profiling else shallow_profile(profiled, accel.name, say)
+            usable = accel.memory_bytes - outside
+            planner = planner_for(profile, profiled, accel.name, static + gathered, usable, none_row.seconds)
+            rows += _plans(planner, pool, job, none_row, budget_bytes, accel.memory_bytes, say, refused)
     none_seconds = next((r.seconds for r in rows if r.preset == "none"), None)
     for row in rows:
         row.ratio_to_none = None if none_seconds is None else row.seconds / none_seconds
@@ -308,3 +280,43 @@ def estimate(
         seconds_taken=time.perf_counter() - started,
         notes=notes,
     )
+
+
+def _plans(
+    planner: Planner,
+    pool: Workers,
+    job: PresetJob,
+    none_row: EstimateRow,
+    budget_bytes: int | None,
+    memory_bytes: int,
+    say: Callable[[str], None],
+    refused: list[str],
+) -> list[EstimateRow]:
+    """The plan for each budget (``budget_bytes``, or the planner's three), each stepped until
+    it fits (``plan_within``); with worker processes the budgets' tries run side by side."""
+    # A budget is what the GPU must hold: reserved plus what sits outside the allocator. The
+    # default ones are the planner's (requested bytes) plus both, the reserve as `none`'s.
+    reserve = none_row.reserved_peak_bytes - none_row.peak_bytes
+    targets = (
+        [budget_bytes]
+        if budget_bytes is not None
+        else [int(min(b + reserve + job.outside, memory_bytes)) for b in planner.budgets]
+    )
+
+    def step(config: RecomputeConfig) -> EstimateRow:
+        return pool.submit(preset_row, job, config).result()[0]
+
+    def within(target: int) -> tuple[EstimateRow | None, list[str]]:
+        # Each budget starts from none's reserve: under TP the planner's figure is off by an
+        # amount that changes with the plan, so a gap learnt on another budget misleads.
+        reasons: list[str] = []
+        return plan_within(planner, target, job.outside, step, say, reasons, reserve), reasons
+
+    if pool.parallel and len(targets) > 1:
+        with ThreadPoolExecutor(len(targets)) as threads:  # each waits on its worker's steps
+            tried = list(threads.map(within, targets))
+    else:
+        tried = [within(target) for target in targets]
+    for _, reasons in tried:
+        refused += reasons
+    return [row for row, _ in tried if row is not None]

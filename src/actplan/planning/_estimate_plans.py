@@ -190,5 +190,10 @@ def plan_within(
         excess = row.reserved_peak_bytes + outside - target
         if excess <= 0 or allowed == planner.minimum:
             break  # fits, or the plan that holds least does not fit either
+        say(
+            f"the plan for {human_bytes(target)} reserves {human_bytes(row.reserved_peak_bytes)} "
+            f"(predicted {human_bytes(int(predicted_peak))} requested), {human_bytes(excess)} over: "
+            "planning again under less"
+        )
         allowed = min(allowed - excess, usable - gap)
     return row

@@ -19,6 +19,7 @@ import multiprocessing
 import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
 __all__ = ["WORKERS_ENV", "Workers", "default_workers", "usable_cores"]
@@ -104,6 +105,19 @@ class Workers:
             future.set_exception(error)
         return future
 
+    @staticmethod
+    def result(future: Future) -> Any:
+        """A submitted call's result, or its error; a worker that died says what to check."""
+        try:
+            return future.result()
+        except BrokenProcessPool as error:
+            raise RuntimeError(
+                "a worker process stopped before returning (out of memory, killed, or a script that "
+                "starts work when imported: a worker imports the main module again, so a script "
+                "asking for workers keeps its work under `if __name__ == \"__main__\":`); run with "
+                "one worker (--workers 1, or workers=1) to see the step's own error"
+            ) from error
+
     def run(self, calls: Sequence[Call], done: Callable[[int], None] | None = None) -> list[Any]:
         """Each call's result, in the calls' order; ``done(index)`` as each finishes. The first
         error raised stops the wait and is raised here."""
@@ -111,7 +125,7 @@ class Workers:
         for index, (fn, args, kwargs) in enumerate(calls):
             futures.append(self.submit(fn, *args, **kwargs))
             if self._pool is None:
-                futures[-1].result()
+                self.result(futures[-1])
                 if done is not None:
                     done(index)
         if self._pool is not None:
@@ -120,7 +134,7 @@ class Workers:
             while pending:
                 finished, pending = wait(pending, return_when=FIRST_COMPLETED)
                 for future in sorted(finished, key=lambda f: index_of[id(f)]):
-                    future.result()
+                    self.result(future)
                     if done is not None:
                         done(index_of[id(future)])
-        return [future.result() for future in futures]
+        return [self.result(future) for future in futures]

@@ -61,6 +61,7 @@ from actplan.planning._preset_row import EstimateRow, PresetJob, preset_row, pre
 from actplan.planning._rank_step import CUDA_CONTEXT_BYTES, expert_layout_refusal, nccl_bytes
 from actplan.planning._training import DEFAULT_TRAINING, TrainingSetup
 from actplan.planning._workers import Workers
+from actplan.planning.planner import preset_peak
 from actplan.sizes import human_bytes
 
 __all__ = ["EstimateResult", "EstimateRow", "TrainingSetup", "estimate", "preset_step"]
@@ -187,10 +188,11 @@ def estimate(
         _, sizes, static, gathered = stepped[-1]
         if plans:
             none_row = stepped[names.index("none")][0]
-            profile = profiling.result() if profiling else shallow_profile(profiled, accel.name, say)
+            profile = pool.result(profiling) if profiling else shallow_profile(profiled, accel.name, say)
             usable = accel.memory_bytes - outside
             planner = planner_for(profile, profiled, accel.name, static + gathered, usable, none_row.seconds)
-            rows += _plans(planner, pool, job, none_row, budget_bytes, accel.memory_bytes, say, refused)
+            measured = [row for row, *_ in stepped]
+            rows += _plans(planner, pool, job, measured, budget_bytes, accel.memory_bytes, say, refused)
     none_seconds = next((r.seconds for r in rows if r.preset == "none"), None)
     for row in rows:
         row.ratio_to_none = None if none_seconds is None else row.seconds / none_seconds
@@ -286,17 +288,30 @@ def _plans(
     planner: Planner,
     pool: Workers,
     job: PresetJob,
-    none_row: EstimateRow,
+    stepped: list[EstimateRow],
     budget_bytes: int | None,
     memory_bytes: int,
     say: Callable[[str], None],
     refused: list[str],
 ) -> list[EstimateRow]:
     """The plan for each budget (``budget_bytes``, or the planner's three), each stepped until
-    it fits (``plan_within``); with worker processes the budgets' tries run side by side."""
+    it fits (``plan_within``); with worker processes the budgets' tries run side by side.
+
+    The planner predicts requested bytes from a shallow profile without the layout's own
+    transients (FSDP2's gathered layers and reduce-scatter buffers, TP's redistributions), and
+    a GPU reserves more than is requested. Each preset stepped (``stepped``, ``none`` among
+    them) measures how far its reserved peak lies above the planner's prediction for the same
+    preset; a plan is first made with the largest of those gaps held back, so that it fits at
+    the first step where the presets around it do."""
+    none_row = next(row for row in stepped if row.preset == "none")
+    gaps = [
+        row.reserved_peak_bytes - int(peak)
+        for row in stepped
+        if (peak := preset_peak(planner.problem, row.preset)) is not None
+    ]
+    reserve = max(gaps, default=none_row.reserved_peak_bytes - none_row.peak_bytes)
     # A budget is what the GPU must hold: reserved plus what sits outside the allocator. The
-    # default ones are the planner's (requested bytes) plus both, the reserve as `none`'s.
-    reserve = none_row.reserved_peak_bytes - none_row.peak_bytes
+    # default ones are the planner's (requested bytes) plus both.
     targets = (
         [budget_bytes]
         if budget_bytes is not None
@@ -304,10 +319,10 @@ def _plans(
     )
 
     def step(config: RecomputeConfig) -> EstimateRow:
-        return pool.submit(preset_row, job, config).result()[0]
+        return pool.result(pool.submit(preset_row, job, config))[0]
 
     def within(target: int) -> tuple[EstimateRow | None, list[str]]:
-        # Each budget starts from none's reserve: under TP the planner's figure is off by an
+        # Each budget starts from the presets' gap: under TP the planner's figure is off by an
         # amount that changes with the plan, so a gap learnt on another budget misleads.
         reasons: list[str] = []
         return plan_within(planner, target, job.outside, step, say, reasons, reserve), reasons

@@ -60,6 +60,7 @@ __all__ = [
     "none_peak",
     "pareto_front",
     "parse_budget",
+    "preset_peak",
     "solve",
 ]
 
@@ -101,16 +102,22 @@ def minimum_peak(problem: PlanProblem) -> tuple[float, tuple[int, ...]]:
     return problem.peak(choices), choices
 
 
-def none_peak(problem: PlanProblem) -> float | None:
-    """The predicted peak with every layer on its ``none`` candidate (no checkpointing), or
+def preset_peak(problem: PlanProblem, name: str) -> float | None:
+    """The predicted peak with every layer on its candidate called ``name`` (a preset's), or
     ``None`` where some layer has no candidate of that name."""
     choices = []
     for candidates in problem.layers:
         names = [c.name for c in candidates]
-        if "none" not in names:
+        if name not in names:
             return None
-        choices.append(names.index("none"))
+        choices.append(names.index(name))
     return problem.peak(choices)
+
+
+def none_peak(problem: PlanProblem) -> float | None:
+    """The predicted peak with every layer on its ``none`` candidate (no checkpointing), or
+    ``None`` where some layer has no candidate of that name."""
+    return preset_peak(problem, "none")
 
 
 def solve(problem: PlanProblem, budget_bytes: float) -> Solution:

@@ -62,6 +62,8 @@ def layer_of(module: str) -> str:
     second = module.split(".")[1]
     return {
         "_engine": "engine",
+        "lowlevel": "face",
+        "torchtitan": "face",
         "config": "config",
         "measure": "measure",
         "integrations": "integrations",
@@ -299,3 +301,16 @@ def test_the_architecture_page_lists_every_module():
         f"missing from docs/architecture.md: {sorted(set(MODULES) - listed)}; "
         f"listed but gone: {sorted(listed - set(MODULES))}"
     )
+
+
+def _user_docs() -> list[Path]:
+    # The architecture page maps the private modules; every other page speaks the public face.
+    pages = [p for p in sorted((ROOT / "docs").glob("*.md")) if p.name != "architecture.md"]
+    return [ROOT / "README.md", *pages]
+
+
+@pytest.mark.parametrize("path", _user_docs(), ids=lambda p: p.name)
+def test_user_docs_name_only_public_modules(path):
+    private = sorted(set(re.findall(r"actplan\._[\w.]*", path.read_text())))
+    fix = "use actplan, actplan.lowlevel or actplan.config"
+    assert not private, f"{path.name} names private modules {private}: {fix}"

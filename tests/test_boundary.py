@@ -13,6 +13,7 @@ from actplan._engine.boundary import (
     is_checkpointed,
     remove_gradient_checkpointing,
 )
+from actplan._install.apply import offload_engine  # the model's own engine slot
 
 
 class Out(TypedDict):
@@ -158,18 +159,19 @@ def test_torch_save_of_a_planned_model_loads_the_plain_model(config, tmp_path):
     loaded = torch.load(tmp_path / "model.pt", weights_only=False)
 
     # The plan stays behind: the loaded model is plain, and exact.
-    assert actplan.installed_plan(loaded) is None and actplan.offload_engine(loaded) is None
+    assert actplan.lowlevel.installed_plan(loaded) is None and offload_engine(loaded) is None
     assert not any(is_checkpointed(m) for m in loaded.modules())
     loss, grads = _grads(loaded, batch)
     assert torch.equal(loss, expected_loss) and grads.keys() == expected.keys()
     assert all(torch.equal(grads[name], expected[name]) for name in expected)
     # It takes a plan again, and the original keeps its own.
     plan = actplan.apply(loaded, config)
-    assert actplan.installed_plan(loaded) is plan and actplan.installed_plan(bundle.model) is not None
+    assert actplan.lowlevel.installed_plan(loaded) is plan
+    assert actplan.lowlevel.installed_plan(bundle.model) is not None
     loss, grads = _grads(loaded, batch)
     assert torch.equal(loss, expected_loss)
     assert all(torch.equal(grads[name], expected[name]) for name in expected)
-    assert actplan.remove(loaded) == len(actplan.find_layers(loaded))
+    assert actplan.remove(loaded) == len(actplan.lowlevel.find_layers(loaded))
 
 
 def test_deepcopy_of_a_planned_model_keeps_the_plan():
@@ -179,9 +181,9 @@ def test_deepcopy_of_a_planned_model_keeps_the_plan():
     bundle = build_model("dense", "tiny")
     actplan.apply(bundle.model, "matmuls")
     clone = copy.deepcopy(bundle.model)
-    assert actplan.installed_plan(clone) is not None
-    assert all(is_checkpointed(layer) for _, layer in actplan.find_layers(clone))
-    layer = actplan.find_layers(clone)[0][1]
+    assert actplan.lowlevel.installed_plan(clone) is not None
+    assert all(is_checkpointed(layer) for _, layer in actplan.lowlevel.find_layers(clone))
+    layer = actplan.lowlevel.find_layers(clone)[0][1]
     assert layer.forward.module is layer  # bound to the copy, not to the original
 
 

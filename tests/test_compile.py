@@ -308,7 +308,7 @@ def test_whole_model_compile_runs_offloading_layers_eagerly_with_their_offload()
         loss = loss_of(run(**batch))
         loss.backward()
         assert compare_steps(baseline_step, capture_step(planned, loss)).ok
-        moved.append(actplan.offload_engine(planned).stats.bytes_offloaded)
+        moved.append(actplan.lowlevel.installed_plan(planned).offload_engine.stats.bytes_offloaded)
     eager_moved, compiled_moved = moved
     assert eager_moved > 0 and compiled_moved == eager_moved, moved
 

@@ -16,8 +16,8 @@ from actplan.config import (
     LayerOverride,
     LayerSelector,
     RecomputeConfig,
-    format_field_path,
 )
+from actplan.config._errors import format_field_path
 from actplan.units import RecomputeUnit
 
 ALL_UNIT_NAMES = [u.value for u in RecomputeUnit]
@@ -666,7 +666,7 @@ def test_errors_found_against_the_model_name_the_file_and_line(tmp_path, suffix,
 
 
 def test_field_paths_parse_back():
-    from actplan.config import format_field_path, parse_field_path
+    from actplan.config._errors import format_field_path, parse_field_path
 
     for loc in (("overrides", 1, "keep", 0), ("offload", "layers"), ("layers",)):
         assert parse_field_path(format_field_path(loc)) == loc

@@ -126,7 +126,7 @@ def test_offload_with_prefetch_depth_is_exact_and_moves_everything_back(prefetch
     config = {"preset": "matmuls", "offload": {"units": "kept", "layer_input": True, "min_bytes": 0}}
     config["offload"]["prefetch"] = prefetch
     actplan.apply(model, config)
-    engine = actplan.offload_engine(model)
+    engine = actplan.lowlevel.installed_plan(model).offload_engine
     report = compare_steps(
         baseline,
         _step(model, batch),
@@ -156,7 +156,7 @@ def test_tiny_host_cap_falls_back_to_pageable_memory_and_stays_exact(exact):
         loss_atol=NOISE_FACTOR * floor.loss_abs_diff,
     )
     assert report.ok, (report.worst_param, report.max_abs_grad_diff, floor.max_abs_grad_diff)
-    stats = actplan.offload_engine(model).snapshot()
+    stats = actplan.lowlevel.installed_plan(model).offload_engine.snapshot()
     assert stats.host_fallbacks > 0 and stats.host_reserved_bytes <= 4096
     assert stats.host_fallback_bytes_in_use == 0 and stats.host_in_use_bytes == 0
 
@@ -212,7 +212,7 @@ def test_fifty_offload_steps_grow_neither_device_nor_pinned_memory():
     model = copy.deepcopy(bundle.model)
     config = {"preset": "matmuls", "offload": {"units": "kept", "layer_input": True, "min_bytes": 0}}
     actplan.apply(model, config)
-    engine = actplan.offload_engine(model)
+    engine = actplan.lowlevel.installed_plan(model).offload_engine
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     allocated, peaks, reserved = [], [], []
     for _ in range(50):

@@ -55,6 +55,7 @@ import actplan
 from actplan._engine.boundary import apply_gradient_checkpointing, checkpoint_state
 from actplan._engine.ops import ROUTING_OPS
 from actplan._engine.policy import IntervalPolicy, KeptTensorMutatedError
+from actplan._install.apply import held_by_layer, offload_engine
 from actplan.markers import checkpoint_record
 from actplan.measure import MemoryMeter, OpCounter, capture_step, compare_steps
 from actplan.units import MarkerInterval, RecomputeIntervalMap
@@ -299,7 +300,7 @@ def run_step(model: GeneratedStack, seed: int, recorder: _SpecOps | None = None)
         capture_step(model, loss),
         meter.report().marks["forward_end"].activation_bytes,
         backward.counts,
-        actplan.held_by_layer(model),
+        held_by_layer(model),  # the layers are wrapped by hand: no installed plan
     )
 
 
@@ -532,7 +533,7 @@ def test_generated_layers_are_exact_hold_less_and_never_rerun_kept_ops(data, spe
     COVERAGE["learnt_path_exposed"] += exposed > 0
 
     if any(installed_view(layer).offloaded for layer in model.layers):
-        stats = actplan.offload_engine(model).stats
+        stats = offload_engine(model).stats
         assert stats.bytes_reloaded == stats.bytes_offloaded and stats.host_in_use_bytes == 0
 
 

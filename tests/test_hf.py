@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import actplan
+from actplan._install.apply import offload_engine  # the model's own engine slot
 from actplan.config import ConfigError
 from actplan.integrations import hf
 from actplan.measure import MemoryMeter, OpCounter, capture_step, compare_steps
@@ -108,7 +109,7 @@ def test_every_architecture_is_exact_and_holds_less_than_none(architecture, conf
         assert report.census_match and len(baseline.census.nonzero) == len(baseline.grads), report.census_diff
     assert held < none_bytes, (kind, config, held, none_bytes)
     if config == "offload":
-        stats = actplan.offload_engine(candidate).stats
+        stats = actplan.lowlevel.installed_plan(candidate).offload_engine.stats
         assert stats.bytes_offloaded > 0 and stats.bytes_reloaded == stats.bytes_offloaded
 
 
@@ -268,8 +269,8 @@ def test_torch_save_of_a_planned_hf_model_loads_it_declared_without_the_plan(kin
     loaded = torch.load(tmp_path / "model.pt", weights_only=False)
 
     # The declaration (marker hooks, units) comes back; the plan does not.
-    assert hf.is_declared(loaded) and actplan.installed_plan(loaded) is None
-    assert actplan.offload_engine(loaded) is None
+    assert hf.is_declared(loaded) and actplan.lowlevel.installed_plan(loaded) is None
+    assert offload_engine(loaded) is None
     assert compare_steps(baseline, _step_batch(loaded, batch)[0]).ok
     actplan.apply(loaded, config)
     for _ in range(2):

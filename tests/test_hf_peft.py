@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import actplan
-from actplan.config import PRESETS, preset_kept_units
+from actplan.config import PRESETS
+from actplan.config._presets import preset_kept_units
 from actplan.integrations import hf
 from actplan.measure import MemoryMeter, capture_step, compare_steps
 from actplan.models import hf as hf_models
@@ -89,7 +90,7 @@ def test_a_lora_model_is_exact_under_every_preset_and_offload(lora, config):
     # What the kept units hold: only kept units hold anything, each less than autograd keeps
     # for the same ops without checkpointing (the adapters' inputs and outputs are inside the
     # units: a LoRA linear is the module the span names).
-    by_unit = actplan.held_by_unit(candidate)
+    by_unit = actplan.lowlevel.installed_plan(candidate).held_by_unit()
     kept = {u.value for layer in plan.layers for u in layer.kept_units}
     assert set(by_unit) <= kept, (config, set(by_unit) - kept)
     if PRESETS.get(config) is not None and PRESETS[config].mode == "full":
@@ -101,7 +102,7 @@ def test_a_lora_model_is_exact_under_every_preset_and_offload(lora, config):
             declared = hf.find_decoder_layers(candidate)[0].interval_map.units
             assert {u.value for u in preset_kept_units(config, declared)} == kept
     if config == "offload":
-        stats = actplan.offload_engine(candidate).stats
+        stats = actplan.lowlevel.installed_plan(candidate).offload_engine.stats
         assert stats.bytes_offloaded > 0 and stats.bytes_reloaded == stats.bytes_offloaded
 
 

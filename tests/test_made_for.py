@@ -8,7 +8,8 @@ import pytest
 
 import actplan
 from actplan.cli import main
-from actplan.config import ConfigError, MadeFor, RecomputeConfig
+from actplan.config import ConfigError, RecomputeConfig
+from actplan.config._made_for import MadeFor
 from actplan.models import build_model
 
 MADE_FOR = {
@@ -32,7 +33,7 @@ def _config(**made_for) -> RecomputeConfig:
 
 def _wrapped(model) -> list[str]:
     """The layers that carry an instance-level forward (a wrapper was installed)."""
-    return [name for name, layer in actplan.find_layers(model) if "forward" in layer.__dict__]
+    return [name for name, layer in actplan.lowlevel.find_layers(model) if "forward" in layer.__dict__]
 
 
 def test_made_for_round_trips_through_dict_yaml_json_and_files(tmp_path):

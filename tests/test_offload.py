@@ -18,6 +18,7 @@ import actplan
 from actplan._engine.host_pool import HostPool, size_class
 from actplan._engine.offload import OffloadedTensorMutatedError, OffloadEngine
 from actplan._engine.offload_moves import Handle, Moved
+from actplan._install.apply import offload_engine  # the model's own engine slot
 from actplan.config import ConfigError
 from actplan.markers import checkpoint_record
 from actplan.measure import MemoryMeter, capture_step, compare_steps
@@ -407,7 +408,7 @@ def test_offload_is_exact_on_every_reference_model(reference, config):
     report = compare_steps(baseline, _step(model, batch))
     assert report.loss_identical and report.max_abs_grad_diff == 0.0, (config, report.worst_param)
     assert report.census_match, report.census_diff
-    stats = actplan.offload_engine(model).stats
+    stats = actplan.lowlevel.installed_plan(model).offload_engine.stats
     assert stats.bytes_offloaded > 0 and stats.bytes_reloaded == stats.bytes_offloaded
     assert stats.host_in_use_bytes == 0
 
@@ -424,7 +425,7 @@ def test_offloading_moe_units_is_exact_and_keeps_routing(preset):
     actplan.apply(model, {"preset": preset, "offload": {"units": units, "layers": [1, 2], "min_bytes": 0}})
     report = compare_steps(baseline, _step(model, batch))
     assert report.ok and report.max_abs_grad_diff == 0.0, report.worst_param
-    assert actplan.offload_engine(model).stats.tensors_offloaded > 0
+    assert actplan.lowlevel.installed_plan(model).offload_engine.stats.tensors_offloaded > 0
 
 
 def test_offload_with_overrides_mixing_modes_is_exact():
@@ -460,7 +461,7 @@ def test_storage_shared_across_layers_is_moved_once():
     hidden = config.batch_size * config.seq_len * config.dim * 4
     ids = config.batch_size * config.seq_len * config.index_topk * 8
     _step(model, batch)
-    stats = actplan.offload_engine(model).stats
+    stats = actplan.lowlevel.installed_plan(model).offload_engine.stats
     assert stats.dedup_hits == 2
     assert stats.bytes_offloaded == 4 * hidden + ids
 
@@ -483,7 +484,7 @@ def test_device_tier_bytes_at_forward_end_drop_by_the_offloaded_bytes():
         offloaded = copy.deepcopy(bundle.model)
         actplan.apply(offloaded, {"preset": preset, "offload": {**offload, "min_bytes": 0}})
         before = _forward_end(plain, batch).marks["forward_end"].activation_bytes
-        engine = actplan.offload_engine(offloaded)
+        engine = actplan.lowlevel.installed_plan(offloaded).offload_engine
         report = _forward_end(offloaded, batch)
         moved = engine.stats.bytes_offloaded
         after = report.marks["forward_end"].activation_bytes
@@ -498,7 +499,7 @@ def test_pool_is_empty_after_each_step_and_does_not_grow():
     actplan.apply(
         model, {"preset": "matmuls", "offload": {"units": "kept", "layer_input": True, "min_bytes": 0}}
     )
-    engine = actplan.offload_engine(model)
+    engine = actplan.lowlevel.installed_plan(model).offload_engine
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     reserved = []
     for _ in range(20):
@@ -522,7 +523,7 @@ def test_tiny_cap_falls_back_reports_it_and_stays_exact():
     with pytest.warns(UserWarning, match="host pool cap"):
         captured = _step(model, batch)
     assert compare_steps(baseline, captured).ok
-    stats = actplan.offload_engine(model).snapshot()
+    stats = actplan.lowlevel.installed_plan(model).offload_engine.snapshot()
     assert stats.host_fallbacks > 0 and stats.host_reserved_bytes <= 6000
     assert stats.host_in_use_bytes == 0 and stats.host_fallback_bytes_in_use == 0
 
@@ -544,10 +545,10 @@ def test_remove_restores_the_layers():
     bundle = build_model("dense", "tiny", n_layers=2)
     model = copy.deepcopy(bundle.model)
     actplan.apply(model, {"preset": "none", "offload": {"units": ["mlp_up"], "skip_last": 0}})
-    assert actplan.offload_engine(model) is not None
+    assert actplan.lowlevel.installed_plan(model).offload_engine is not None
     assert all("forward" in layer.__dict__ for layer in model.layers)
     actplan.remove(model)
-    assert actplan.offload_engine(model) is None
+    assert offload_engine(model) is None
     assert not any("forward" in layer.__dict__ for layer in model.layers)
 
 

@@ -180,9 +180,9 @@ def mesh(one_rank_group):
 def test_order_wrapper_inside_fsdp_and_root_last(mesh):
     model = build_model("dense", "tiny").model
     plan = parallelize(model, mesh, "matmuls")
-    assert plan is actplan.installed_plan(model)
+    assert plan is actplan.lowlevel.installed_plan(model)
     assert isinstance(model, FSDPModule)
-    for _, layer in actplan.find_layers(model):
+    for _, layer in actplan.lowlevel.find_layers(model):
         assert isinstance(layer, FSDPModule)
         # The wrapper is an instance forward: FSDP's module hooks run around it, not in it.
         assert is_checkpointed(layer) and "forward" in layer.__dict__

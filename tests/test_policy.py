@@ -438,7 +438,7 @@ def test_marker_error_names_the_failing_layer_when_layers_share_a_policy():
 
     model = Stack()
     plan = actplan.apply(model, {"mode": "selective", "keep": ["qkv_proj"]})
-    states = [actplan._engine.boundary.checkpoint_state(m) for _, m in actplan.find_layers(model)]
+    states = [actplan._engine.boundary.checkpoint_state(m) for _, m in actplan.lowlevel.find_layers(model)]
     policies = {id(state.policy) for state in states}
     assert len(policies) == 1
     assert plan.layers[2].name == "layers.2"
@@ -476,5 +476,5 @@ def test_wrong_markers_raise_under_full_recompute_too(markers, match):
     actplan.apply(healthy, "full")
     for _ in range(2):
         healthy(torch.randn(2, 8, requires_grad=True)).backward()
-    states = [actplan._engine.boundary.checkpoint_state(m) for _, m in actplan.find_layers(healthy)]
+    states = [actplan._engine.boundary.checkpoint_state(m) for _, m in actplan.lowlevel.find_layers(healthy)]
     assert all(state.marker_check is None for state in states)

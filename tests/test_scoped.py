@@ -63,7 +63,7 @@ def test_every_preset_holds_at_most_none_and_stays_exact(reference, preset):
         assert report.loss_identical and report.max_abs_grad_diff == 0.0, (preset, step, report.worst_param)
         assert report.census_match, report.census_diff
     assert _activation_bytes(model, batch) <= none_bytes, preset
-    for unit, sizes in actplan.held_by_unit(model).items():
+    for unit, sizes in actplan.lowlevel.installed_plan(model).held_by_unit().items():
         # What each kept unit holds is at most what autograd keeps for the same ops, give or
         # take the small integer outputs (ids, counts) held whatever reads them; routing and
         # collective outputs are held by contract.
@@ -89,7 +89,7 @@ def test_kept_gemms_and_attention_kernels_run_once(model_name):
         actplan.apply(model, preset)
         for seed in range(2):  # learnt path on the second call
             runs[preset] = _counts(model, batch, seed)
-    layers = len(list(actplan.find_layers(bundle.model)))
+    layers = len(list(actplan.lowlevel.find_layers(bundle.model)))
     assert runs["none"][sdpa] == 0
     assert runs["full"][sdpa] == layers  # whole-layer checkpointing reruns every kernel
     assert runs["attn"][sdpa] == 0 and runs["matmuls"][sdpa] == 0

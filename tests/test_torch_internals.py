@@ -176,7 +176,7 @@ def test_a_frame_lost_after_the_probes_passed_is_an_error_in_the_forward(monkeyp
 
 def test_offload_needs_only_the_dispatch_mode_probe(fresh_probes, monkeypatch):
     _drop_checkpoint_frame(monkeypatch)
-    actplan.OffloadEngine()
+    actplan.lowlevel.OffloadEngine()
     assert internals._passed == set(internals.OFFLOAD_PROBES)
 
 

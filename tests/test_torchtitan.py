@@ -89,7 +89,7 @@ def test_every_model_is_exact_and_holds_at_most_none(reference, config):
         assert report.census_match, report.census_diff
     assert held <= none_bytes, (kind, config, held, none_bytes)
     if config == "mixed":
-        stats = actplan.offload_engine(candidate).stats
+        stats = actplan.lowlevel.installed_plan(candidate).offload_engine.stats
         assert stats.bytes_offloaded > 0 and stats.bytes_reloaded == stats.bytes_offloaded
 
 
@@ -121,7 +121,7 @@ def test_units_are_derived_from_the_module_names(kind):
     source = titan.SOURCE if kind != "nanogpt" else blocks.SOURCE
     assert actplan.integrations.recognising(model) == [source]
     found = source.find(model)
-    assert [layer.name for layer in found] == [name for name, _ in actplan.find_layers(model)]
+    assert [layer.name for layer in found] == [name for name, _ in actplan.lowlevel.find_layers(model)]
     assert {layer.source for layer in found} == {"derived"}
     ((class_name, units),) = UNITS[kind].items()
     assert {type(layer.module).__name__ for layer in found} == {class_name}
@@ -195,7 +195,7 @@ def test_remove_takes_the_hooks_away():
 def test_a_plan_on_the_decoder_then_on_the_module_around_it_hooks_each_block_once():
     model, batch = build("llama3"), make_batch(0)
     baseline, _ = step(copy.deepcopy(model), batch)
-    actplan.apply_to_torchtitan(model.decoder, "attn")  # what ActplanAC does inside parallelize_*
+    actplan.apply(model.decoder, "attn")  # what ActplanAC does inside parallelize_*
     hooks = dict(model.decoder.layers["0"].attention.wo._forward_pre_hooks)
     actplan.apply(model, "matmuls")
     assert model.decoder.layers["0"].attention.wo._forward_pre_hooks == hooks
@@ -225,7 +225,7 @@ def test_blocks_compiled_by_torchtitan_after_the_plan_stay_exact():
 def _compile_after_the_plan_and_check(apply_compile, CompileConfig, ParallelDims) -> None:
     model, batch = build("llama3"), make_batch(0)
     baseline, _ = step(copy.deepcopy(model), batch)  # eager, no checkpointing
-    actplan.apply_to_torchtitan(model.decoder, "matmuls")
+    actplan.apply(model.decoder, "matmuls")
     one = dict(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, world_size=1)
     compile_config = CompileConfig(enable=True, components=["model"], backend="aot_eager")
     apply_compile(model.decoder, compile_config=compile_config, parallel_dims=ParallelDims(**one))
@@ -240,7 +240,7 @@ def _compile_after_the_plan_and_check(apply_compile, CompileConfig, ParallelDims
 
 @pytest.mark.parametrize("reference", ["llama3", "qwen3", "deepseek_v3"], indirect=True)
 def test_actplan_ac_is_exact_through_torchtitans_ac_interface(reference):
-    from actplan import ActplanAC
+    from actplan.torchtitan import ActplanAC
 
     kind, model, batch, baseline, none_bytes = reference
     assert issubclass(ActplanAC, torchtitan_ac.ActivationCheckpointing)
@@ -257,7 +257,7 @@ def test_actplan_ac_is_exact_through_torchtitans_ac_interface(reference):
 def test_actplan_ac_config_is_a_torchtitan_config_and_parses_on_its_command_line():
     import tyro
 
-    from actplan import ActplanAC
+    from actplan.torchtitan import ActplanAC
 
     config = ActplanAC.Config(plan="attn", layouts={"Block": None})
     assert config.to_dict()["plan"] == "attn"
@@ -289,7 +289,7 @@ def test_actplan_ac_config_is_a_torchtitan_config_and_parses_on_its_command_line
     ],
 )
 def test_actplan_ac_settings_it_cannot_honour_are_errors(fields, message):
-    from actplan import ActplanAC
+    from actplan.torchtitan import ActplanAC
 
     with pytest.raises(ConfigError, match=message):
         ActplanAC.Config(**fields).build(dump_folder="")
@@ -305,7 +305,7 @@ def test_blocks_torchtitan_already_checkpoints_are_refused(ac):
     config = torchtitan_ac.FullAC.Config() if ac == "full" else torchtitan_ac.SelectiveAC.Config()
     config.build().apply(model.decoder)
     with pytest.raises(ConfigError) as err:
-        actplan.apply_to_torchtitan(model.decoder, "matmuls")
+        actplan.apply(model.decoder, "matmuls")
     message = str(err.value)
     assert "layers.0, layers.1 of Llama3Model are already wrapped by torch's checkpoint_wrapper" in message
     assert "activation_checkpoint=ActplanAC.Config(plan=...)" in message and "before torch.compile" in message
@@ -333,12 +333,12 @@ def _renamed_output(model: nn.Module) -> nn.Module:
 def test_a_layout_that_cannot_be_derived_names_what_is_unclear_and_how_to_pass_one():
     model = _renamed_output(build("llama3"))
     with pytest.raises(ConfigError) as err:
-        actplan.apply_to_torchtitan(model, "matmuls")
+        actplan.apply(model, "matmuls")
     message = str(err.value)
     assert "cannot tell the units of WithLoss's torchtitan blocks from their module names" in message
     assert "Llama3TransformerBlock (decoder.layers.0 and 1 more)" in message
     assert "needs exactly one output projection" in message and "attention.out" in message
-    assert "apply_to_torchtitan(model, config, layouts={'Llama3TransformerBlock': {" in message
+    assert "actplan.apply(model, config, layouts={'Llama3TransformerBlock': {" in message
     assert "docs/torchtitan.md" in message
 
     layout = {
@@ -351,7 +351,7 @@ def test_a_layout_that_cannot_be_derived_names_what_is_unclear_and_how_to_pass_o
     }
     batch = make_batch(0)
     baseline, _ = step(copy.deepcopy(model), batch)
-    plan = actplan.apply_to_torchtitan(model, "matmuls", layouts={"Llama3TransformerBlock": layout})
+    plan = actplan.apply(model, "matmuls", layouts={"Llama3TransformerBlock": layout})
     assert {layer.class_name for layer in plan.layers} == {"Llama3TransformerBlock"}
     for _ in range(2):
         report = compare_steps(baseline, step(model, batch)[0])
@@ -399,7 +399,7 @@ def test_tensor_parallel_first_then_actplan_is_exact(one_rank):
     model, batch = build("qwen3"), make_batch(0)
     baseline, none_bytes = step(_tensor_parallel(copy.deepcopy(model), one_rank), batch, metered=True)
     candidate = _tensor_parallel(copy.deepcopy(model), one_rank)
-    actplan.apply_to_torchtitan(candidate, "matmuls")
+    actplan.apply(candidate, "matmuls")
     for call in range(2):
         captured, held = step(candidate, batch, metered=call == 1)
         report = compare_steps(baseline, captured)
@@ -410,7 +410,7 @@ def test_tensor_parallel_first_then_actplan_is_exact(one_rank):
 @pytest.mark.slow
 def test_tensor_parallel_after_actplan_names_the_order(one_rank):
     model = build("qwen3")
-    actplan.apply_to_torchtitan(model, "matmuls")
+    actplan.apply(model, "matmuls")
     _tensor_parallel(model, one_rank)
     with pytest.raises(ConfigError) as err:
         step(model, make_batch(0))
@@ -428,7 +428,7 @@ def test_torchtitans_parallelize_with_actplan_ac_is_exact(one_rank, monkeypatch,
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.models.llama3.parallelize import parallelize_llama
 
-    from actplan import ActplanAC
+    from actplan.torchtitan import ActplanAC
 
     monkeypatch.setattr(parallel_dims, "device_type", "cpu")  # its meshes default to CUDA
     model, batch = build("llama3"), make_batch(0)
@@ -450,7 +450,7 @@ def test_torchtitans_parallelize_with_actplan_ac_is_exact(one_rank, monkeypatch,
     step(reference, batch)
     baseline, none_bytes = step(reference, batch, metered=True)
     candidate = parallelized(ActplanAC.Config(plan="matmuls"))
-    assert len(actplan.installed_plan(candidate.decoder).checkpointed) == 2
+    assert len(actplan.lowlevel.installed_plan(candidate.decoder).checkpointed) == 2
     for call in range(2):
         captured, held = step(candidate, batch, metered=call == 1)
         report = compare_steps(baseline, captured)
@@ -473,7 +473,7 @@ bundle = build_model('dense', 'tiny')
 actplan.apply(bundle.model, 'matmuls')
 bundle.model(**bundle.make_batch(0))['loss'].backward()
 assert 'torchtitan' not in sys.modules, 'imported torchtitan'
-actplan.ActplanAC
+from actplan.torchtitan import ActplanAC
 assert 'torchtitan' in sys.modules
 print('ok')
 """

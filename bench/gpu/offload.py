@@ -123,7 +123,7 @@ def _memory_row(
 ) -> dict[str, Any]:
     """Device bytes at the end of forward (the allocator's on CUDA, the meter's elsewhere), the
     step's peak, and what the offload engine moved in the step those came from."""
-    engine = actplan.offload_engine(model)
+    engine = actplan.lowlevel.installed_plan(model).offload_engine
     if engine is not None:
         engine.reset_stats()
     row: dict[str, Any] = {}

@@ -26,7 +26,7 @@ interleaved (A B C, B C A, ...) after a warm-up.
 
 ``--models titan-llama3`` runs torchtitan 0.3.0's own llama3 (``bench.peers.titan``, dense
 small's shape, SDPA as its inner attention on CPU) with actplan installed by
-``actplan.apply_to_torchtitan``; its peers are torchtitan's own ``FullAC`` (``titan-full``),
+``actplan.apply``; its peers are torchtitan's own ``FullAC`` (``titan-full``),
 ``SelectiveAC`` (``titan-sac``) and ``MemoryBudgetAC`` at each compile budget
 (``titan-memory-budget[budget=B]``, blocks compiled with aot_eager), in place of the peers
 that need our model classes.

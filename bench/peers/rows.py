@@ -138,7 +138,7 @@ def build_bench_model(model: str, size: str, **overrides: Any) -> ModelBundle:
 
 
 def actplan_installer(model: str, config: RecomputeConfig) -> Installer:
-    """actplan's ``config`` as a row: ``actplan.apply_to_torchtitan`` on a torchtitan model's
+    """actplan's ``config`` as a row: ``actplan.apply`` on a torchtitan model's
     decoder (what ``ActplanAC`` does), ``actplan.apply`` on ours."""
     return titan_actplan_installer(config) if model in TITAN_MODELS else config_installer(config)
 

@@ -17,7 +17,7 @@ block-causal mask would compute, so no attention mask is passed (``attention_mas
 ``positions`` (0 .. L-1 per row, as torchtitan's dataloader gives them) index the RoPE cache.
 Everything else, from the fused QKV projection to the SwiGLU feed-forward, is torchtitan's code.
 
-actplan's units come from the module names (``actplan.apply_to_torchtitan``, the derived
+actplan's units come from the module names (``actplan.apply``, the derived
 layout of a ``Llama3TransformerBlock``): ``attn_norm``, ``qkv_proj``, ``rope``,
 ``attn_core``, ``attn_proj``, ``mlp_norm``, ``mlp_up``, ``mlp_down``.
 
@@ -257,13 +257,13 @@ def titan_compile_flags() -> AbstractContextManager[Any]:
 
 
 def titan_plan(model: nn.Module, config: RecomputeConfig) -> Any:
-    """``actplan.apply_to_torchtitan`` on the decoder (what ``ActplanAC`` does); the plan."""
-    return actplan.apply_to_torchtitan(titan_ac_root(model), config)
+    """``actplan.apply`` on the decoder (what ``ActplanAC`` does); the plan."""
+    return actplan.apply(titan_ac_root(model), config)
 
 
 def titan_actplan_installer(config: RecomputeConfig) -> Callable[[nn.Module], str]:
     """actplan's plan on the decoder's blocks, as ``ActplanAC`` installs it inside torchtitan's
-    ``parallelize_llama``: ``actplan.apply_to_torchtitan(decoder, config)``."""
+    ``parallelize_llama``: ``actplan.apply(decoder, config)``."""
 
     def install(model: nn.Module) -> str:
         return titan_plan(model, config).summary()

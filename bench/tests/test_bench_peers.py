@@ -303,7 +303,7 @@ def test_plans_at_peaks_that_round_alike_get_distinct_names():
 @pytest.mark.slow
 def test_titan_llama3_rows_are_exact_under_torchtitans_ac_and_actplans(monkeypatch):
     """torchtitan's own llama3 (tiny) under its FullAC and SelectiveAC and under actplan's plan
-    through ``apply_to_torchtitan``: every row bit-identical to no checkpointing, each holding
+    through ``actplan.apply``: every row bit-identical to no checkpointing, each holding
     less; the bench's model choice names it."""
     pytest.importorskip("torchtitan", reason="the torchtitan extra (make setup installs it)")
     from torchtitan.distributed import activation_checkpoint as torchtitan_ac

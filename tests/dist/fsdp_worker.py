@@ -77,7 +77,7 @@ def sharded_step(bundle, mesh, config, *, reshard: bool, compile_options=None) -
     batch = local_batch(bundle.make_batch(0), rank, world)
     # Module calls of each layer: a replay that went through the module would re-fire FSDP's hooks.
     layer_calls: Counter = Counter()
-    for _, layer in actplan.find_layers(model):
+    for _, layer in actplan.lowlevel.find_layers(model):
         layer.register_forward_pre_hook(lambda *_: layer_calls.update(["calls"]))
     # Dynamo does not run compiled frames under a dispatch mode: count compiled forwards not at all.
     # Backward is eager autograd either way (FSDP's hooks, the replay), so it is always counted.
@@ -96,7 +96,7 @@ def sharded_step(bundle, mesh, config, *, reshard: bool, compile_options=None) -
     targets = dict(unsharded.named_parameters())
     for name, param in model.named_parameters():
         targets[name].grad = None if param.grad is None else param.grad.full_tensor()
-    engine = actplan.offload_engine(model)
+    engine = actplan.lowlevel.installed_plan(model).offload_engine
     return {
         "offloaded_bytes": engine.stats.bytes_offloaded if engine is not None else None,
         "capture": capture_step(unsharded, global_loss),

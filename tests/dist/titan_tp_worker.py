@@ -121,7 +121,7 @@ def scenario(kind: str, mesh: str, extra: dict) -> dict:
     from torchtitan.config import ParallelismConfig
     from torchtitan.distributed import utils as dist_utils
 
-    from actplan import ActplanAC
+    from actplan.torchtitan import ActplanAC
 
     world = dist.get_world_size()
     parallel_dims.device_type = "cpu"  # its meshes default to the accelerator
@@ -158,7 +158,7 @@ def scenario(kind: str, mesh: str, extra: dict) -> dict:
                     if "routed_experts" in n and isinstance(p, DTensor)
                 }
             )
-            plan = actplan.installed_plan(model.decoder) if ac is not None else None
+            plan = actplan.lowlevel.installed_plan(model.decoder) if ac is not None else None
             entry["modes"] = [layer.mode for layer in plan.layers] if plan is not None else []
             run = one_step(model, batch)
             entry.update({key: value for key, value in run.items() if key not in ("loss", "grads")})
@@ -167,7 +167,7 @@ def scenario(kind: str, mesh: str, extra: dict) -> dict:
                 none_run = run
             else:
                 entry["vs_none"] = bit_compare(none_run, run)
-            engine = actplan.offload_engine(model.decoder) if ac is not None else None
+            engine = actplan.lowlevel.installed_plan(model.decoder).offload_engine if ac is not None else None
             if engine is not None:
                 entry["offloaded_bytes"] = engine.stats.bytes_offloaded
                 entry["reloaded_bytes"] = engine.stats.bytes_reloaded

@@ -292,19 +292,17 @@ def _close_failed_checkpoints(error: BaseException) -> None:
                     value.close()
 
 
-def _check_wrappable(module: Any, context_fn: Any, policy: Any, marker_check: Any) -> None:
+def _check_wrappable(module: Any, context_fn: Any, policy: Any) -> None:
     """Refuse what ``apply_gradient_checkpointing`` cannot wrap: a non-module, an already wrapped
     module, or arguments that contradict each other."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"apply_gradient_checkpointing expects an nn.Module, got {type(module).__name__}")
     if context_fn is not None and policy is not None:
         raise ValueError("give either context_fn or policy, not both: a policy brings its own context_fn")
-    if marker_check is not None and policy is not None:
-        raise ValueError("give marker_check only without a policy: a policy checks the markers itself")
     if is_checkpointed(module):
         raise ValueError(
             f"{type(module).__name__} is already checkpointed by actplan; call "
-            "remove_gradient_checkpointing(module) before wrapping it again"
+            "actplan.remove(module) before wrapping it again"
         )
 
 
@@ -316,40 +314,22 @@ def apply_gradient_checkpointing(
     preserve_rng_state: bool = True,
     early_stop: bool = True,
     determinism_check: str = "default",
-    owner: Any = None,
     name: str | None = None,
-    marker_check: Callable[[str | None], Callable[[str], None]] | None = None,
-    call_check: Callable[..., None] | None = None,
 ) -> nn.Module:
-    """Checkpoint ``module``'s forward with ``torch.utils.checkpoint(use_reentrant=False)``.
+    """Checkpoint ``module``'s forward with ``torch.utils.checkpoint(use_reentrant=False)``, in
+    place; returns ``module`` for chaining.
 
-    Args:
-        module: the layer to wrap, in place; it is returned for chaining.
-        context_fn: a selective-checkpoint context factory, as
-            ``torch.utils.checkpoint`` takes it. ``None`` (and no ``policy``)
-            recomputes everything.
-        policy: a marker-driven selective policy such as ``IntervalPolicy``;
-            preferred over its bare ``context_fn`` because eager markers then
-            reach it without a trip through the dispatcher.
-        preserve_rng_state: restore the RNG state before replaying, so dropout
-            and other random draws are identical in recompute (default on).
-        early_stop: stop the replay once every tensor backward needs exists.
-        determinism_check: forwarded to ``torch.utils.checkpoint``.
-        owner: opaque data stored with the wrapper (``actplan.apply`` stores the
-            layer's plan here so ``explain`` and ``remove`` can find it).
-        name: how marker errors name this module (default: the policy's name).
-        marker_check: without a ``policy``, a factory of marker sinks (such as
-            ``policy.MarkerChecker``) that check the layer's markers on its first
-            eager call with gradients, so unbalanced markers raise under full recompute too.
-        call_check: run as ``call_check(module, args, kwargs, name)`` before each call that is
-            checkpointed; it raises to refuse the call (an integration's check of settings that
-            would make the replay differ from the forward, such as a KV cache).
-
-    A module whose parameters are all frozen, called with inputs that need no
-    gradient, runs without checkpointing (no replay, detached outputs).
-    Raises ``ValueError`` if the module is already wrapped.
-    """
-    _check_wrappable(module, context_fn, policy, marker_check)
+    ``context_fn``: a selective-checkpoint context factory, as ``torch.utils.checkpoint`` takes
+    it; ``policy``: a marker-driven selective policy such as ``actplan.lowlevel.IntervalPolicy``
+    (preferred over its bare ``context_fn``: eager markers then reach it without a trip through
+    the dispatcher). Neither recomputes everything. ``preserve_rng_state`` restores the RNG
+    state before the replay (dropout draws the same); ``early_stop`` stops the replay once
+    every tensor backward needs exists; ``determinism_check`` goes to
+    ``torch.utils.checkpoint``; ``name`` is how marker errors name the module. A module whose
+    parameters are all frozen, called with inputs that need no gradient, runs without
+    checkpointing. Raises ``ValueError`` if the module is already wrapped; ``actplan.remove``
+    undoes it."""
+    _check_wrappable(module, context_fn, policy)
     previous = module.__dict__.get("forward")
     state = CheckpointState(
         context_fn=context_fn,
@@ -358,12 +338,36 @@ def apply_gradient_checkpointing(
         early_stop=early_stop,
         determinism_check=determinism_check,
         previous_forward=previous,
-        owner=owner,
         name=name,
-        marker_check=marker_check,
-        call_check=call_check,
     )
     install_forward(module, _STATE_ATTR, state, _checkpointed_forward)
+    return module
+
+
+def wrap_for_checkpoint(
+    module: nn.Module,
+    *,
+    owner: Any = None,
+    marker_check: Callable[[str | None], Callable[[str], None]] | None = None,
+    call_check: Callable[..., None] | None = None,
+    **options: Any,
+) -> nn.Module:
+    """``apply_gradient_checkpointing(module, **options)`` with the installer's plumbing on the
+    wrapper (``actplan.apply`` wraps each layer with this):
+
+    - ``owner``: opaque data stored with the wrapper (the layer's plan, so ``explain`` and
+      ``remove`` can find it);
+    - ``marker_check``: without a ``policy``, a factory of marker sinks (such as
+      ``policy.MarkerChecker``) that check the layer's markers on its first eager call with
+      gradients, so unbalanced markers raise under full recompute too;
+    - ``call_check``: run as ``call_check(module, args, kwargs, name)`` before each call that is
+      checkpointed; it raises to refuse the call (an integration's check of settings that would
+      make the replay differ from the forward, such as a KV cache)."""
+    if marker_check is not None and options.get("policy") is not None:
+        raise ValueError("give marker_check only without a policy: a policy checks the markers itself")
+    apply_gradient_checkpointing(module, **options)
+    state = checkpoint_state(module)
+    state.owner, state.marker_check, state.call_check = owner, marker_check, call_check
     return module
 
 

@@ -4,10 +4,10 @@ torchtitan selects its checkpointing with the trainer config's ``activation_chec
 (``FullAC.Config()``, ``SelectiveAC.Config()``, ...), and each model's ``parallelize_*``
 calls ``config.build(dump_folder=...).apply(model)`` after tensor parallelism and before
 ``torch.compile`` and FSDP. ``ActplanAC.Config(plan=...)`` goes in the same place; its
-``apply`` installs the plan with ``apply_to_torchtitan``. The dict-valued fields are left
+``apply`` installs the plan with ``actplan.apply``. The dict-valued fields are left
 off torchtitan's command line (tyro cannot parse them); ``plan`` is on it. This module
-imports torchtitan: ``actplan._install.torchtitan`` (and ``actplan``) hand ``ActplanAC`` out on
-first use.
+imports torchtitan: the public ``actplan.torchtitan`` re-exports ``ActplanAC`` (``import
+actplan`` never imports torchtitan).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import tyro
 from torch import nn
 from torchtitan.distributed import activation_checkpoint as torchtitan_ac
 
-from actplan._install.torchtitan import apply_to_torchtitan
+from actplan._install.apply import apply
 from actplan.config import ConfigError
 
 logger = logging.getLogger("actplan")
@@ -81,7 +81,7 @@ class ActplanAC(torchtitan_ac.ActivationCheckpointing):
         if disable_cache is not None:
             disable_cache()
         config = self.config
-        plan = apply_to_torchtitan(
+        plan = apply(
             model,
             config.recompute_config if config.recompute_config is not None else config.plan,
             layouts=config.layouts,

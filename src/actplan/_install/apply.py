@@ -7,8 +7,9 @@ pure ``plan`` module, and wrap each layer with the boundary and its policy.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -17,9 +18,9 @@ from torch import nn
 from actplan import integrations
 from actplan._engine.boundary import (
     RuntimeOnly,
-    apply_gradient_checkpointing,
     checkpoint_state,
     remove_gradient_checkpointing,
+    wrap_for_checkpoint,
 )
 from actplan._engine.offload import OffloadEngine
 from actplan._engine.offload_wrapper import apply_offload, is_offloaded, remove_offload
@@ -137,20 +138,60 @@ def _reject_plain_dict_declarations(model: nn.Module) -> None:
         )
 
 
+@dataclass(frozen=True, eq=False)
+class InstalledPlan(Plan):
+    """The ``Plan`` ``apply`` installed, with what it reports about the model it runs on.
+
+    ``held_by_layer()`` and ``held_by_unit()``: per selective layer (or summed) and kept unit,
+    the bytes its latest eager forward held at its end next to what autograd keeps for the
+    same ops without checkpointing. ``offload_engine``: the ``OffloadEngine`` of a config with
+    ``offload`` (its ``stats``: bytes moved each way, host-pool use), else ``None``. Each
+    raises ``RuntimeError`` once the plan is no longer installed (``actplan.remove``, a later
+    ``apply``). Pickled or copied, it is a plain ``Plan``."""
+
+    model_ref: Any = field(default=None, compare=False, repr=False)
+
+    def _model(self) -> nn.Module:
+        model = self.model_ref() if self.model_ref is not None else None
+        if model is None or installed_plan(model) is not self:
+            raise RuntimeError(
+                "this plan is no longer installed (removed, replaced by a later actplan.apply, or "
+                "its model is gone); ask the Plan the latest apply returned"
+            )
+        return model
+
+    def held_by_layer(self) -> dict[str, dict[str, dict[str, int]]]:
+        """See ``held_by_layer(model)``."""
+        return held_by_layer(self._model())
+
+    def held_by_unit(self) -> dict[str, dict[str, int]]:
+        """See ``held_by_unit(model)``."""
+        return held_by_unit(self._model())
+
+    @property
+    def offload_engine(self) -> OffloadEngine | None:
+        """See ``offload_engine(model)``."""
+        return offload_engine(self._model())
+
+    def __reduce__(self) -> tuple:
+        return (Plan, (self.layers, self.config))
+
+
 def apply(
     model: nn.Module,
     config: RecomputeConfig | dict[str, Any] | str | Path,
     layouts: integrations.Layouts | None = None,
-) -> Plan:
+) -> InstalledPlan:
     """Resolve ``config`` to a per-layer plan and install it on ``model``'s layers.
 
     ``config`` is a ``RecomputeConfig``, a dict, a preset name (``"matmuls"``) or
     a path to a YAML/JSON file. A plan installed earlier is removed first. A config
-    with ``offload`` also gets an ``OffloadEngine`` (see ``offload_engine(model)``).
+    with ``offload`` also gets an ``OffloadEngine`` (the returned plan's ``offload_engine``).
     ``layouts`` declares the units of Hugging Face decoder layers actplan has no built-in
     or derived layout for, by class name (see ``actplan.integrations.hf``); layouts given
     to an earlier ``actplan.integrations.hf.declare(model, layouts=...)`` are kept.
-    Returns the installed ``Plan``.
+    Returns the installed plan (``InstalledPlan``: a ``Plan`` that also reports what its
+    layers hold).
     """
     sources = integrations.recognising(model)
     layouts = _with_saved_layouts(model, sources, layouts)
@@ -166,8 +207,9 @@ def apply(
     policies = _shared_policies(layers, engine)
     for layer_plan, module in layers:
         _install_layer(layer_plan, module, policies, engine, _call_check(sources, module))
-    model.__dict__[_PLAN_ATTR] = _Installed(plan)
-    return plan
+    installed = InstalledPlan(plan.layers, plan.config, weakref.ref(model))
+    model.__dict__[_PLAN_ATTR] = _Installed(installed)
+    return installed
 
 
 def _with_saved_layouts(
@@ -206,7 +248,7 @@ def _install_layer(
         if policy is None and (interval_map := interval_map_of(module)) is not None:
             # Full recompute decides nothing by markers, but wrong ones are still an error.
             check = MarkerChecker(interval_map, name)
-        apply_gradient_checkpointing(
+        wrap_for_checkpoint(
             module, policy=policy, owner=layer_plan, name=name, marker_check=check, call_check=call_check
         )
     if layer_plan.offloads:

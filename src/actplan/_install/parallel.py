@@ -61,7 +61,7 @@ def parallelize(
     1. tensor (and sequence) parallelism over ``mesh["tp"]`` (``tensor_parallelize``):
        DTensor weights and the module hooks that move activations between layouts;
     2. per checkpointable layer (each module whose class declares ``recompute_intervals``,
-       as ``actplan.find_layers`` finds them), the actplan checkpoint wrapper the plan asks
+       as ``actplan.lowlevel.find_layers`` finds them), the actplan checkpoint wrapper the plan asks
        for (``actplan.apply``; layers whose plan is ``none`` stay unwrapped);
     3. ``layer.compile(fullgraph=True)`` when ``compile`` is set;
     4. ``fully_shard(layer, mesh=mesh["dp"], reshard_after_forward=...)``;

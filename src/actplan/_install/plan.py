@@ -10,16 +10,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from actplan.config import (
-    ConfigError,
-    LayerOverride,
-    Mode,
-    OffloadConfig,
-    RecomputeChoice,
-    RecomputeConfig,
-    format_indices,
-    preset_kept_units,
-)
+from actplan.config import ConfigError, LayerOverride, OffloadConfig, RecomputeConfig
+from actplan.config._choice import RecomputeChoice
+from actplan.config._presets import Mode, preset_kept_units
+from actplan.config._selectors import format_indices
 from actplan.units import ROUTING_UNITS, MarkerInterval, RecomputeIntervalMap, RecomputeUnit
 
 NOT_SELECTED = "not selected"
@@ -76,12 +70,21 @@ class LayerPlan:
         return _describe_choice(self.mode, self.kept_units, self.describe_offload())
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Plan:
-    """Every checkpointable layer's resolved choice, and the config it came from."""
+    """Every checkpointable layer's resolved choice, and the config it came from. Two plans are
+    equal when their layers and config are (an installed plan equals the same plan resolved)."""
 
     layers: tuple[LayerPlan, ...]
     config: RecomputeConfig
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Plan):
+            return NotImplemented
+        return (self.layers, self.config) == (other.layers, other.config)
+
+    def __hash__(self) -> int:
+        return hash((self.layers, self.config))
 
     @property
     def checkpointed(self) -> tuple[LayerPlan, ...]:

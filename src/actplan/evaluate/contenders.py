@@ -125,7 +125,7 @@ class Contender:
     # Offloading rows: host-tier peak, bytes moved out and back over the metered step.
     moved: tuple[int, int, int] | None = None
     # Selective rows: per kept unit, bytes held at the end of the metered forward against what
-    # autograd keeps for the same ops without checkpointing (``actplan.held_by_unit``).
+    # autograd keeps for the same ops without checkpointing (the installed plan's ``held_by_unit()``).
     held_by_unit: dict[str, dict[str, int]] | None = None
     # Parity tolerances against ``none``: 0 (bit-identical) unless the row is compiled, where
     # the caller sets them from the compile noise floor it measured.

@@ -127,7 +127,7 @@ class TensorParallelCheck:
             raise ConfigError(
                 f"{where}: its parameters became DTensors after actplan.apply, so tensor parallelism "
                 "was applied after the plan; apply it in torchtitan's order: tensor parallelism "
-                "(model.parallelize or parallelize_module) first, then actplan (apply_to_torchtitan, "
+                "(model.parallelize or parallelize_module) first, then actplan (actplan.apply, "
                 "or ActplanAC where torchtitan applies activation checkpointing), then torch.compile "
                 "and FSDP. Call actplan.remove(model) and apply the plan again after TP"
             )

@@ -9,8 +9,8 @@ throughout: ``attention_norm``, ``attention.qkv_linear.wqkv`` (or ``wq``/``wk``/
 (``TransformerBlock`` in their MRO, told by name: torchtitan is never imported here) and
 derives their layouts with ``hf_derive``.
 
-Plugging actplan in where torchtitan applies activation checkpointing (``apply_to_torchtitan``,
-``ActplanAC``) installs a plan, so it lives a layer up, in ``actplan._install.torchtitan``.
+Plugging actplan in where torchtitan applies activation checkpointing (``actplan.apply``,
+``ActplanAC``) installs a plan, so it lives a layer up, in ``actplan._install._torchtitan_ac``.
 Imports ``units``, ``blocks`` and ``hf`` (``interval_map_for``).
 """
 
@@ -38,7 +38,7 @@ class _Torchtitan(BlockSource):
 
     name = "torchtitan"
     framework = "torchtitan"
-    apply_example = "apply_to_torchtitan(model, config, layouts="
+    apply_example = "actplan.apply(model, config, layouts="
     doc = 'docs/torchtitan.md, "When a layout cannot be derived"'
 
     def blocks(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -64,7 +64,7 @@ class _Torchtitan(BlockSource):
             "turn torchtitan's activation checkpointing off where actplan's is on: in the config "
             "function set activation_checkpoint=ActplanAC.Config(plan=...) (from "
             "actplan) instead of FullAC/SelectiveAC, or "
-            "activation_checkpoint=None and call apply_to_torchtitan(model, plan) where "
+            "activation_checkpoint=None and call actplan.apply(model, plan) where "
             "torchtitan applies it (after tensor parallelism, before torch.compile and FSDP)"
         )
 

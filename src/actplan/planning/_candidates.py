@@ -14,7 +14,8 @@ from torch import nn
 
 from actplan._engine.offload import quiet_empty_offload
 from actplan._install.apply import interval_map_of
-from actplan.config import PRESETS, preset_kept_units
+from actplan.config import PRESETS
+from actplan.config._presets import preset_kept_units
 from actplan.measure import RooflineClock, is_fake
 from actplan.planning._isolated import IsolatedLayer
 from actplan.planning._records import CandidateProfile

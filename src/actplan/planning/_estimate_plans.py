@@ -79,14 +79,26 @@ def deepened(profile: ModelProfile, layers: int, base_seconds: float) -> ModelPr
 
 @dataclass
 class Planner:
-    """The planner over a deepened fake profile: ``budgets`` (requested bytes, across the
+    """The planner over a deepened fake profile: ``budgets(usable)`` (requested bytes, across the
     feasible range) and ``plan(budget)`` -> (config, predicted peak, predicted ratio)."""
 
     profile: ModelProfile
     problem: Any
-    budgets: list[int]
     minimum: int  # the least requested bytes any plan peaks at
     made_for: dict[str, Any]  # the whole model's, without the budget
+
+    def budgets(self, usable: float) -> list[int]:
+        """Three budgets of requested bytes spread over the feasible range, up to ``usable``
+        where it cuts the range short (the last then at it); one, at the least any plan
+        holds, when even that is above ``usable``."""
+        low = self.minimum
+        high = none_peak(self.problem) or low
+        if usable <= low:
+            return [low]
+        shares = (0.25, 0.5, 0.75)
+        if usable < high:
+            high, shares = usable, (1 / 3, 2 / 3, 1.0)
+        return [int(low + (high - low) * share) for share in shares]
 
     def plan(self, budget: int, gpu_budget: int) -> tuple[RecomputeConfig, float, float]:
         """The plan for ``budget`` requested bytes, its ``made_for`` block naming the GPU memory
@@ -113,12 +125,11 @@ def shallow_profile(shape: Shape, gpu: str, say: Callable[[str], None] | None = 
 
 
 def planner_for(
-    profile: ModelProfile, shape: Shape, gpu: str, static: int, usable: int, base_seconds: float
+    profile: ModelProfile, shape: Shape, gpu: str, static: int, base_seconds: float
 ) -> Planner:
     """The planner over ``shallow_profile``'s profile deepened to ``shape``'s layers, with the
-    estimate's measured ``static`` bytes and ``none``'s ``base_seconds``. The default budgets
-    are three spread over the feasible range of requested bytes, up to ``usable`` where it
-    cuts the range short (the last then at it). The plans' own steps check it."""
+    estimate's measured ``static`` bytes and ``none``'s ``base_seconds``. The plans' own steps
+    check it."""
     profile = deepened(profile, shape.layers, base_seconds)
     with default_dtype(DTYPES[shape.dtype]), torch.device("meta"):
         whole = build_for_shape(shape)  # the layers and classes the plan will meet
@@ -132,12 +143,7 @@ def planner_for(
         optimizer_step_bytes=0.0,
     )
     low, _ = minimum_peak(problem)
-    high = none_peak(problem) or low
-    shares = (0.25, 0.5, 0.75)
-    if low < usable < high:
-        high, shares = usable, (1 / 3, 2 / 3, 1.0)
-    budgets = [int(low + (high - low) * share) for share in shares]
-    return Planner(profile, problem, budgets, int(low), header)
+    return Planner(profile, problem, int(low), header)
 
 
 _PLAN_TRIES = 6

@@ -16,7 +16,8 @@ import torch
 
 from actplan._install.apply import layer_specs
 from actplan._install.plan import format_indices
-from actplan.config import RecomputeConfig, class_ranges
+from actplan.config import RecomputeConfig
+from actplan.config._made_for import class_ranges
 from actplan.planning._records import choice_of
 
 if TYPE_CHECKING:

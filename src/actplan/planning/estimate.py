@@ -189,8 +189,7 @@ def estimate(
         if plans:
             none_row = stepped[names.index("none")][0]
             profile = pool.result(profiling) if profiling else shallow_profile(profiled, accel.name, say)
-            usable = accel.memory_bytes - outside
-            planner = planner_for(profile, profiled, accel.name, static + gathered, usable, none_row.seconds)
+            planner = planner_for(profile, profiled, accel.name, static + gathered, none_row.seconds)
             measured = [row for row, *_ in stepped]
             rows += _plans(planner, pool, job, measured, budget_bytes, accel.memory_bytes, say, refused)
     none_seconds = next((r.seconds for r in rows if r.preset == "none"), None)
@@ -311,11 +310,14 @@ def _plans(
     ]
     reserve = max(gaps, default=none_row.reserved_peak_bytes - none_row.peak_bytes)
     # A budget is what the GPU must hold: reserved plus what sits outside the allocator. The
-    # default ones are the planner's (requested bytes) plus both.
+    # default ones are the planner's (requested bytes, within what the GPU leaves) plus both.
     targets = (
         [budget_bytes]
         if budget_bytes is not None
-        else [int(min(b + reserve + job.outside, memory_bytes)) for b in planner.budgets]
+        else [
+            int(min(b + reserve + job.outside, memory_bytes))
+            for b in planner.budgets(memory_bytes - job.outside - reserve)
+        ]
     )
 
     def step(config: RecomputeConfig) -> EstimateRow:

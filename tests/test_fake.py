@@ -5,6 +5,7 @@ assumption; what needs values is refused by name."""
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import pytest
 import torch
@@ -132,12 +133,46 @@ def test_what_needs_values_is_refused_by_name():
         FakeRun(routing="uniform")
 
 
-def test_offload_on_fake_tensors_is_refused_not_skipped():
-    with FakeRun() as fake:
-        bundle = load_model("dense", "tiny")
-        actplan.apply(bundle.model, {"preset": "full", "offload": {"layer_input": True, "min_bytes": 0}})
-        with pytest.raises(RuntimeError, match="offload on fake tensors"):
-            train_step(bundle.model, bundle.batch(0, fake.device), seed=0)
+OFFLOADS = {
+    "full+offload": {"preset": "full", "offload": {"layer_input": True, "min_bytes": 0}},
+    "matmuls+offload": {"preset": "matmuls", "offload": {"units": "kept", "min_bytes": 0}},
+    "attn+offload, 1 layer, small pool": {
+        "preset": "attn",
+        "offload": {"units": "kept", "layer_input": True, "layers": [0], "min_bytes": 0, "host_cap": "4KiB"},
+    },
+}
+
+
+def _offloaded_step(bundle, config, device, recorder=None):
+    plan = actplan.apply(bundle.model, config)
+    engine = plan.offload_engine
+    engine.pool.trace = []
+    optimizer = torch.optim.AdamW(bundle.model.parameters(), lr=1e-4)
+    meter = MemoryMeter(bundle.model, optimizer)
+    for seed in range(2):  # the second step reuses the pool's buffers
+        with recorder if recorder is not None else contextlib.nullcontext(), meter:
+            train_step(bundle.model, bundle.batch(seed, device), optimizer, seed=seed)
+    return meter.report(), engine.snapshot(), engine.pool.trace
+
+
+@pytest.mark.parametrize("model", ["dense", "moe"])
+@pytest.mark.parametrize("offload", list(OFFLOADS))
+def test_offload_moves_the_same_bytes_on_fake_tensors_as_on_real_ones(model, offload):
+    # The real engine decides what moves and when; on fake tensors its host buffers are fake
+    # and its copies move no values, so device and host bytes follow the real run's exactly.
+    recorder = RoutingRecorder()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the small pool's fallback warning, in both runs
+        real, real_moved, real_host = _offloaded_step(
+            load_model(model, "tiny"), OFFLOADS[offload], torch.device("cpu"), recorder
+        )
+        with FakeRun(routing=recorder.counts or "balanced") as fake:
+            estimate, moved, host = _offloaded_step(load_model(model, "tiny"), OFFLOADS[offload], fake.device)
+    assert real_moved.bytes_offloaded > 0
+    assert estimate.timeline == real.timeline
+    assert estimate.peak_bytes == real.peak_bytes
+    assert host == real_host and max(host) > 0
+    assert moved == real_moved
 
 
 @pytest.mark.parametrize("preset", ["none", "full", "matmuls"])

@@ -7,6 +7,7 @@ torch and the standard library.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import defaultdict, deque
 from dataclasses import dataclass
@@ -92,8 +93,24 @@ class HostPool:
         self.acquires = 0
         self.reuses = 0
         self._warned: set[str] = set()
+        # Set to a list to record the bytes in use after every hand-out and return (tests compare
+        # a fake run's host tier with a real one's); ``None`` records nothing.
+        self.trace: list[int] | None = None
+        self._fake_mode: Any = None
+        self._acquires_seen = False
 
-    def acquire(self, nbytes: int) -> HostBuffer:
+    def acquire(self, nbytes: int, fake_mode: Any = None) -> HostBuffer:
+        """A buffer of at least ``nbytes``. ``fake_mode``: the ``FakeTensorMode`` of an estimate's
+        tensors, whose host tier takes fake buffers (shapes only, same bytes counted); a pool
+        serves either real or fake tensors, never both."""
+        if not self._acquires_seen:
+            self._fake_mode, self._acquires_seen = fake_mode, True
+        elif fake_mode is not self._fake_mode:
+            raise RuntimeError(
+                "actplan offload: one host pool served both fake and real tensors (or two fake "
+                "runs); an offload engine serves one model: apply the plan again to a model "
+                "built where it runs"
+            )
         size = size_class(nbytes)
         with self._lock:
             try:
@@ -173,6 +190,8 @@ class HostPool:
                 self._fallback_bytes_in_use -= size
             else:
                 self._free[size].append((buffer.tensor, event))
+            if self.trace is not None:
+                self.trace.append(self._in_use_bytes)
 
     def _hand_out(self, buffer: HostBuffer) -> HostBuffer:
         size = buffer.tensor.numel()
@@ -180,6 +199,8 @@ class HostPool:
         self.peak_in_use_bytes = max(self.peak_in_use_bytes, self._in_use_bytes)
         if not buffer.pooled:
             self._fallback_bytes_in_use += size
+        if self.trace is not None:
+            self.trace.append(self._in_use_bytes)
         return buffer
 
     def _evict(self, wanted: int) -> int:
@@ -207,11 +228,12 @@ class HostPool:
             )
             return self._allocate(size, pin=False), False
 
-    @staticmethod
-    def _allocate(size: int, *, pin: bool) -> torch.Tensor:
-        # Host-tier memory is not device memory: keep it out of any dispatch-mode meter.
-        with _disable_current_modes():
-            return torch.empty(size, dtype=torch.uint8, device="cpu", pin_memory=pin)
+    def _allocate(self, size: int, *, pin: bool) -> torch.Tensor:
+        # Host-tier memory is not device memory: keep it out of any dispatch-mode meter. A fake
+        # run's buffers are fake tensors (its mode alone re-entered): counted here, never allocated.
+        fake = self._fake_mode
+        with _disable_current_modes(), contextlib.nullcontext() if fake is None else fake:
+            return torch.empty(size, dtype=torch.uint8, device="cpu", pin_memory=pin and fake is None)
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:

@@ -196,20 +196,14 @@ class OffloadEngine:
         if isinstance(tensor, nn.Parameter) or (tensor.is_leaf and tensor.requires_grad):
             stats.skipped_parameters += 1
             return tensor
-        if isinstance(tensor, FakeTensor):
-            # Never skip silently: the estimate would hold bytes a real run moves to the host.
-            raise RuntimeError(
-                f"{group.name}: offload on fake tensors (FakeRun) is not supported yet: the host "
-                "copies need values. Estimate the plan without its offload section, or measure "
-                "offload with real tensors at a smaller shape"
-            )
-        if type(tensor) is not torch.Tensor or tensor.layout is not torch.strided:
+        fake = type(tensor) is FakeTensor  # an estimate's tensor: moved as a real one would be
+        if (type(tensor) is not torch.Tensor and not fake) or tensor.layout is not torch.strided:
             stats.skipped_other += 1
             return tensor
         if tensor.is_conj() or tensor.is_neg() or tensor.is_meta:
             stats.skipped_other += 1
             return tensor
-        if self.pool.pin and tensor.device.type == "cpu":
+        if self.pool.pin and tensor.device.type == "cpu" and not fake:
             stats.skipped_other += 1  # already in host memory
             return tensor
         storage = tensor.untyped_storage()

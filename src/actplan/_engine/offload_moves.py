@@ -13,8 +13,8 @@ from typing import Any, Protocol
 import torch
 
 from actplan._engine.host_pool import HostBuffer, HostPool, event_done
+from actplan._torch_internals import FakeTensor, tensor_version
 from actplan._torch_internals import disable_current_modes as _disable_current_modes
-from actplan._torch_internals import tensor_version
 
 
 class Mover(Protocol):
@@ -57,15 +57,21 @@ class Moved:
         self.engine = engine
         self.nbytes = nbytes
         self.copies = engine.copies_for(source.device)
-        self.host: HostBuffer | None = engine.pool.acquire(nbytes)
-        with _disable_current_modes():
-            flat = torch.empty(0, dtype=torch.uint8, device=source.device).set_(source.untyped_storage())
-            self.copy_out = self.copies.copy_out(flat, self.host.tensor[:nbytes])
-            # While the copy-out may still be running, an alias of the tensor stays here: it
-            # shares the tensor's version counter, so an in-place write racing the copy is
-            # seen however the copy ends and whether or not the tensor itself is still alive.
-            # (The device memory itself is kept from reuse by the back-end, not by this alias.)
-            self.source: torch.Tensor | None = source.detach() if self.copy_out is not None else None
+        # A fake run (an estimate) moves fake tensors: its host buffers are fake (counted by the
+        # pool, never allocated) and its copy-out has no values to move, so it is done at once,
+        # as a CPU copy is.
+        fake_mode = source.fake_mode if isinstance(source, FakeTensor) else None
+        self.host: HostBuffer | None = engine.pool.acquire(nbytes, fake_mode)
+        self.copy_out: Any = None
+        if fake_mode is None:
+            with _disable_current_modes():
+                flat = torch.empty(0, dtype=torch.uint8, device=source.device).set_(source.untyped_storage())
+                self.copy_out = self.copies.copy_out(flat, self.host.tensor[:nbytes])
+        # While the copy-out may still be running, an alias of the tensor stays here: it
+        # shares the tensor's version counter, so an in-place write racing the copy is
+        # seen however the copy ends and whether or not the tensor itself is still alive.
+        # (The device memory itself is kept from reuse by the back-end, not by this alias.)
+        self.source: torch.Tensor | None = source.detach() if self.copy_out is not None else None
         self.version = tensor_version(source)
         self.mutated = False
         self.device = source.device
@@ -152,9 +158,14 @@ class Handle:
                 "or do not offload this layer."
             )
         moved.copies.use(moved.copy_in)
-        return torch.empty(0, dtype=self.dtype, device=moved.device).set_(
-            moved.reloaded.untyped_storage(), self.offset, self.size, self.stride
-        )
+        if isinstance(moved.reloaded, FakeTensor):
+            # The same tensor by views (a fake reload is always the flat bytes it allocated):
+            # torch's fake-tensor dispatch cache keeps the storage argument of ``set_`` alive,
+            # which would hold every reloaded storage to the end of the run.
+            return moved.reloaded.view(self.dtype).as_strided(self.size, self.stride, self.offset)
+        with _disable_current_modes():  # an empty shell, not an allocation for any meter
+            shell = torch.empty(0, dtype=self.dtype, device=moved.device)
+        return shell.set_(moved.reloaded.untyped_storage(), self.offset, self.size, self.stride)
 
 
 class Group:

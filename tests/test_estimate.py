@@ -87,7 +87,12 @@ def test_the_fake_profile_sees_every_byte_and_second_the_real_profile_sees():
                 stack.enter_context(FakeRun())
             bundle = build_model("dense", "small", **SMALL.model_overrides())
             return profile_model(
-                bundle, spec="dense", device=torch.device("cpu"), gpu="h100", progress=lambda e: None
+                bundle,
+                spec="dense",
+                device=torch.device("cpu"),
+                gpu="h100",
+                min_bytes=0,  # small tensors: every offloaded candidate moves bytes
+                progress=lambda e: None,
             )
 
     fake, real = profile(True), profile(False)
@@ -96,12 +101,15 @@ def test_the_fake_profile_sees_every_byte_and_second_the_real_profile_sees():
     same += ("full_peak_bytes", "backward_extra_bytes", "head_transient_bytes", "base_seconds")
     for name in same:
         assert getattr(fake, name) == pytest.approx(getattr(real, name), rel=1e-12), name
-    real_candidates = {c.name: c for t in real.layer_types for c in t.candidates if not c.offload}
+    # Offloaded candidates too: the engine moves fake tensors as it moves real ones.
+    real_candidates = {c.name: c for t in real.layer_types for c in t.candidates}
     fake_candidates = {c.name: c for t in fake.layer_types for c in t.candidates}
     assert set(fake_candidates) == set(real_candidates)
+    assert any(c.offload and c.offloaded_bytes > 0 for c in fake_candidates.values())
     for name, c in fake_candidates.items():
         r = real_candidates[name]
-        assert (c.retained_bytes, c.transient_bytes) == (r.retained_bytes, r.transient_bytes), name
+        bytes_ = ("retained_bytes", "transient_bytes", "offloaded_bytes")
+        assert [getattr(c, b) for b in bytes_] == [getattr(r, b) for b in bytes_], name
         assert c.extra_seconds == pytest.approx(r.extra_seconds, rel=1e-9), name
 
 
@@ -380,6 +388,28 @@ def test_cli_prints_the_table_and_writes_json(tmp_path, capsys):
     assert "fastest under 1GiB: none" in printed
     data = json.loads(out.read_text())
     assert [row["preset"] for row in data["rows"]] == ["none", "full"]
+
+
+def test_offload_presets_are_stepped_with_their_host_tier_and_copy_time(tmp_path, capsys):
+    # The offload engine runs on the fake tensors: a row that offloads holds fewer device bytes
+    # at the end of forward than its preset alone, names the host tier it needs, and pays the
+    # copies its compute cannot hide (none at an H100's host link for these layer inputs).
+    out = tmp_path / "estimate.json"
+    shape = ["--model", "dense", "--layers", "4", "--hidden", "512", "--heads", "8", "--kv-heads", "4"]
+    shape += ["--ffn", "2048", "--vocab", "4096", "--seq", "2048", "--batch", "2", "--fsdp", "2"]
+    assert main(["estimate", *shape, "--presets", "full,full+offload", "--json", str(out), "--quiet"]) == 0
+    assert "host (pinned)" in capsys.readouterr().out
+    full, offloaded = json.loads(out.read_text())["rows"]
+    assert full["moved"] is None
+    moved = offloaded["moved"]
+    layer_input = 2 * 2048 * 512 * 2  # one bf16 layer input; the last layer's stays resident
+    assert moved["offloaded_bytes"] == moved["reloaded_bytes"] == 3 * layer_input
+    assert moved["host_bytes"] >= moved["offloaded_bytes"]
+    assert offloaded["activation_bytes"] == full["activation_bytes"] - 3 * layer_input
+    assert moved["exposed_seconds"] == 0.0 and offloaded["seconds"] == pytest.approx(full["seconds"])
+    assert main(["estimate", *shape, "--presets", "full+offlaod", "--quiet"]) == 2
+    printed = capsys.readouterr()
+    assert "a preset with offload: full+offload, matmuls+offload" in printed.out + printed.err
 
 
 def test_cli_names_torchtitans_code_when_it_measured_it(capsys):

@@ -36,8 +36,40 @@ def test_rank_zero_of_a_real_gloo_run_holds_what_the_fake_rank_holds(tmp_path, f
     rank0.pop("routing")
     # Named difference: the roofline clock's time, which is not this test's subject (under TP
     # it prices a few ops more on real tensors; FLOPs are compared).
-    for figures in (fake, rank0):
-        figures.pop("seconds")
+    _drop_times(fake, rank0)
+    assert rank0 == fake
+
+
+def _drop_times(*figures: dict) -> None:
+    for each in figures:
+        each.pop("seconds")
+        if each.get("moved") is not None:
+            each["moved"].pop("exposed_seconds")  # follows the clock's forward and backward times
+
+
+OFFLOADS = {
+    "full+offload": {"preset": "full", "offload": {"layer_input": True, "min_bytes": 0}},
+    "matmuls+offload": {"preset": "matmuls", "offload": {"units": "kept", "min_bytes": 0}},
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "fsdp,tp,offload", [(2, 1, "full+offload"), (1, 2, "matmuls+offload")], ids=["fsdp2", "tp2"]
+)
+def test_offload_on_a_real_gloo_run_moves_what_the_fake_rank_moves(tmp_path, fsdp, tp, offload):
+    """Offload through the real parallel path: the fake rank's device bytes, host tier and
+    moved bytes equal rank 0's of real gloo ranks (the engine moves fake tensors as real ones)."""
+    shape, config = tmp_path / "shape.json", tmp_path / "offload.json"
+    shape.write_text(json.dumps(SHAPE.to_dict()))
+    config.write_text(json.dumps(OFFLOADS[offload]))
+    args = [str(shape), str(fsdp), str(tp), str(config)]
+    real = run_ranks(WORKER, args, tmp_path / "out.json", nproc=fsdp * tp)
+    fake = dataclasses.asdict(rank_step(SHAPE, str(config), fsdp, "h100", tp=tp))
+    rank0 = real["ranks"][0]
+    rank0.pop("routing")
+    _drop_times(fake, rank0)
+    assert fake["moved"]["offloaded_bytes"] > 0 and fake["moved"]["host_bytes"] > 0
     assert rank0 == fake
 
 
@@ -61,8 +93,7 @@ def test_expert_parallel_rank_zero_holds_what_the_fake_rank_holds_on_its_routing
     rank0 = real["ranks"][0]
     routing = rank0.pop("routing")
     fake = dataclasses.asdict(rank_step(moe, preset, 2, "h100", ep=2, routing=routing))
-    for figures in (fake, rank0):
-        figures.pop("seconds")
+    _drop_times(fake, rank0)
     assert rank0 == fake
 
 

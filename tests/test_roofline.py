@@ -89,6 +89,22 @@ def test_views_and_metadata_cost_nothing():
     assert clock.seconds == 0 and clock.bytes_moved == 0 and not clock.by_op
 
 
+def test_allocating_without_writing_costs_nothing():
+    # No kernel runs for an empty tensor (FSDP's all-gather outputs, offload's reload targets);
+    # a zeroed one is written.
+    x = torch.randn(8, 16)
+    clock = RooflineClock("h100")
+    with clock:
+        torch.empty(1024)
+        torch.empty_strided((4, 4), (1, 4))
+        torch.empty_like(x)
+        x.new_empty(64)
+    assert clock.seconds == 0 and clock.bytes_moved == 0 and not clock.by_op
+    with clock:
+        torch.zeros(1024)
+    assert clock.bytes_moved == 4096
+
+
 def test_unknown_accelerator_lists_the_table():
     with pytest.raises(ValueError, match="unknown accelerator 'v100'; known: a100, h100, h200, b200, mi300x"):
         RooflineClock("v100")

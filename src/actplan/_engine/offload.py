@@ -42,6 +42,7 @@ from actplan._torch_internals import (
     probe,
     storage_key_of,
     tensor_version,
+    waited_collective,
 )
 from actplan.sizes import DEFAULT_HOST_CAP_BYTES, DEFAULT_OFFLOAD_MIN_BYTES
 
@@ -193,6 +194,9 @@ class OffloadEngine:
         """Move ``tensor``'s storage to the host tier (once per storage); return its handle,
         or ``tensor`` itself when it is not worth or not safe to move."""
         stats = self.stats
+        # A tensor-parallel collective's result moves as the plain tensor it stands for (an op
+        # that saved it has already waited on it); on the fake process group it is plain anyway.
+        tensor = waited_collective(tensor)
         if isinstance(tensor, nn.Parameter) or (tensor.is_leaf and tensor.requires_grad):
             stats.skipped_parameters += 1
             return tensor

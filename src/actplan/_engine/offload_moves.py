@@ -7,6 +7,7 @@ this module does not import ``offload``). Imports ``host_pool``, ``_torch_intern
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from typing import Any, Protocol
 
@@ -97,7 +98,11 @@ class Moved:
         else:
             # Allocated through the dispatcher on purpose: a memory meter counts reloaded bytes.
             target = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
-            self.copy_in = self.copies.copy_in(self.host.tensor[: self.nbytes], target, self.copy_out)
+            # The copy itself is the back-end's, not the compute stream's: no mode sees it (a
+            # fake run's copy runs under its fake mode alone), as with the copy-out.
+            fake_mode = target.fake_mode if isinstance(target, FakeTensor) else None
+            with _disable_current_modes(), contextlib.nullcontext() if fake_mode is None else fake_mode:
+                self.copy_in = self.copies.copy_in(self.host.tensor[: self.nbytes], target, self.copy_out)
             self.reloaded = target
             stats.bytes_reloaded += self.nbytes
         # The host buffer goes back once the last copy touching it is done.

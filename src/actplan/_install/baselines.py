@@ -17,6 +17,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from actplan._install.apply import find_layers
 from actplan.config import ConfigError, RecomputeConfig
+from actplan.config._presets import OFFLOAD_VARIANTS
 
 __all__ = [
     "ATTENTION_KERNELS",
@@ -151,9 +152,12 @@ def baseline(name: str) -> Callable[[nn.Module], str] | None:
 def check_name(name: str) -> None:
     """Refuses a name that is neither a baseline, nor a preset, nor a config file, naming all
     three kinds (the estimate checks its presets so before any work)."""
-    if baseline(name) is not None:
+    if baseline(name) is not None or name in OFFLOAD_VARIANTS:
         return
     try:
         RecomputeConfig.parse(name)
     except ConfigError as error:
-        raise ValueError(f"{error}; or what users run today: {', '.join(BASELINES)}, {LAYER_SAC}N") from None
+        raise ValueError(
+            f"{error}; or a preset with offload: {', '.join(OFFLOAD_VARIANTS)}; or what users run "
+            f"today: {', '.join(BASELINES)}, {LAYER_SAC}N"
+        ) from None

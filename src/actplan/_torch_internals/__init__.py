@@ -30,6 +30,7 @@ from actplan._torch_internals._fsdp import (
     dtensor_shape_propagation,
     fake_process_group_store,
     process_group_named,
+    waited_collective,
     watch_fsdp_storage_resizes,
 )
 
@@ -119,6 +120,7 @@ __all__ = [
     "tree_leaves",
     "tree_map",
     "tree_unflatten",
+    "waited_collective",
     "watch_fsdp_storage_resizes",
 ]
 

@@ -1,7 +1,7 @@
 """The distributed internals the estimate relies on: torch's fake process group, the in-place
-storage resizes FSDP2 frees and regrows unsharded parameters with, and DTensor's shape
-propagation. Part of ``actplan._torch_internals``, which re-exports them; imports torch and
-``_errors``.
+storage resizes FSDP2 frees and regrows unsharded parameters with, DTensor's shape propagation,
+and the plain tensor behind a functional collective's result. Part of
+``actplan._torch_internals``, which re-exports them; imports torch and ``_errors``.
 """
 
 from __future__ import annotations
@@ -17,6 +17,19 @@ from actplan._torch_internals._errors import TorchInternalsError
 
 _FSDP_PARAM = "torch.distributed.fsdp._fully_shard._fsdp_param"
 _FSDP_PARAM_GROUP = "torch.distributed.fsdp._fully_shard._fsdp_param_group"
+
+
+def waited_collective(tensor: torch.Tensor) -> torch.Tensor:
+    """The plain tensor an eager functional collective's result (``AsyncCollectiveTensor``, what
+    tensor parallelism's all-gathers and reduce-scatters hand out) stands for, waited on; any
+    other tensor as it is. torch's fake process group hands out plain fake tensors instead."""
+    if type(tensor).__name__ != "AsyncCollectiveTensor":
+        return tensor
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    if not isinstance(tensor, AsyncCollectiveTensor):
+        return tensor
+    return tensor.trigger_wait()
 
 
 def fake_process_group_store() -> Any:

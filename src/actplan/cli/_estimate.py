@@ -109,6 +109,10 @@ def estimate(args: argparse.Namespace, console: Console) -> int:
     return 0 if budget is None or best is not None else 1
 
 
+def _host_cell(moved) -> str:
+    return "-" if moved is None else f"{moved.host_bytes / 2**30:,.2f} GiB"
+
+
 def estimate_table(result) -> Table:
     gib = 2**30
     static = f"static {result.static_bytes / gib:.1f} GiB"
@@ -121,7 +125,11 @@ def estimate_table(result) -> Table:
         caption=f"estimated on fake tensors in {result.seconds_taken:.0f} s; times are estimates",
     )
     headers = ["preset / plan", "activations (end of fwd)", "step peak", "peak allocated"]
-    headers += ["peak reserved", "est. step", "vs none"]
+    headers += ["peak reserved"]
+    offloads = any(row.moved is not None for row in result.rows)
+    if offloads:
+        headers += ["host (pinned)"]
+    headers += ["est. step", "vs none"]
     plans = bool(result.plans)
     if plans:
         headers += ["planner predicted"]
@@ -136,6 +144,7 @@ def estimate_table(result) -> Table:
             f"{row.step_peak_bytes / gib:,.2f} GiB",
             f"{row.allocated_peak_bytes / gib:,.2f} GiB",
             f"{row.reserved_peak_bytes / gib:,.2f} GiB",
+            *([] if not offloads else [_host_cell(row.moved)]),
             f"{row.seconds * 1e3:,.0f} ms",
             "-" if row.ratio_to_none is None else f"{row.ratio_to_none:.3f}x",
         ]

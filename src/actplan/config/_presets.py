@@ -31,6 +31,14 @@ class PresetSpec:
     recomputed_units: tuple[RecomputeUnit, ...] | None = None
 
 
+OFFLOAD_VARIANTS: dict[str, dict] = {
+    "full+offload": {"preset": "full", "offload": {"layer_input": True}},
+    "matmuls+offload": {"preset": "matmuls", "offload": {"units": "kept"}},
+}
+"""Named configs that add offload to a preset (``actplan bench`` rows, ``actplan estimate``
+presets): the layer inputs of ``full``, the kept units of ``matmuls`` (every layer but the last,
+tensors of at least the default ``min_bytes``)."""
+
 PRESETS: dict[str, PresetSpec] = {
     "none": PresetSpec("none", "no checkpointing: every activation stays resident"),
     "full": PresetSpec("full", "whole-layer checkpointing: keep only the layer input, recompute the rest"),

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from actplan._engine.policy import IntervalPolicy
 from actplan.config import RecomputeConfig
+from actplan.config._presets import OFFLOAD_VARIANTS
 from actplan.devices import resolve_device
 from actplan.evaluate.contenders import (
     Contender,
@@ -41,13 +42,6 @@ from actplan.measure import TimingStats, interleaved_timing, ratio
 from actplan.models import ModelBundle, build_model, load_model
 from actplan.progress import ProgressCallback, ProgressTracker
 from actplan.units import MarkerInterval, RecomputeIntervalMap
-
-OFFLOAD_VARIANTS: dict[str, dict[str, Any]] = {
-    "full+offload": {"preset": "full", "offload": {"layer_input": True}},
-    "matmuls+offload": {"preset": "matmuls", "offload": {"units": "kept"}},
-}
-"""Bench rows that add offload to a preset: the layer inputs of ``full``, the kept units of
-``matmuls`` (every layer but the last, tensors of at least the default ``min_bytes``)."""
 
 DEFAULT_POLICIES = ("none", "full", "attn", "matmuls", "megatron-selective", *OFFLOAD_VARIANTS)
 TORCH_CHECKPOINT = "torch-checkpoint"

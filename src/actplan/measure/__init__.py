@@ -39,7 +39,13 @@ from actplan.measure._parity import (
     compare_steps,
     grad_census,
 )
-from actplan.measure._roofline import ACCELERATORS, Accelerator, RooflineClock, accelerator
+from actplan.measure._roofline import (
+    ACCELERATORS,
+    Accelerator,
+    RooflineClock,
+    accelerator,
+    exposed_copy_seconds,
+)
 from actplan.measure._timing import RatioStats, TimingStats, interleaved_timing, ratio
 
 __all__ = [
@@ -69,6 +75,7 @@ __all__ = [
     "capture_step",
     "compare_steps",
     "copy_module",
+    "exposed_copy_seconds",
     "grad_census",
     "interleaved_timing",
     "is_fake",

@@ -22,7 +22,7 @@ from torch.utils import flop_counter
 from actplan._storage import storage_key
 from actplan._torch_internals import DEVICE_QUERY, TorchDispatchMode, op_schema, tree_flatten
 
-__all__ = ["ACCELERATORS", "Accelerator", "RooflineClock", "accelerator", "op_flops"]
+__all__ = ["ACCELERATORS", "Accelerator", "RooflineClock", "accelerator", "exposed_copy_seconds", "op_flops"]
 
 
 @dataclass(frozen=True)
@@ -81,6 +81,16 @@ def accelerator(name: str) -> Accelerator:
     if found is None:
         raise ValueError(f"unknown accelerator {name!r}; known: {', '.join(ACCELERATORS)}")
     return found
+
+
+def exposed_copy_seconds(
+    out_seconds: float, in_seconds: float, forward_seconds: float, backward_seconds: float
+) -> float:
+    """The copy time offload adds to a step whose copies run beside its compute: copies out
+    hide behind the forward's compute, reloads behind the backward's, as far as each lasts.
+    A bound from below (a copy cannot hide behind compute that ran before its tensor existed);
+    the per-layer schedule is finer."""
+    return max(out_seconds - forward_seconds, 0.0) + max(in_seconds - backward_seconds, 0.0)
 
 
 def _cpu_flash_forward(query, key, value, *args, out_val=None, **kwargs) -> int:
@@ -199,6 +209,8 @@ class RooflineClock(TorchDispatchMode):
             return args[0].device
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if func in _ALLOCATES_ONLY:
+            return out  # memory handed out, no kernel: nothing is read or written
         in_leaves = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         out_leaves = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         schema = op_schema(func)
@@ -228,6 +240,17 @@ class RooflineClock(TorchDispatchMode):
         accel = self.accelerator
         peak = accel.fp32_flops if dtype in (torch.float32, torch.float64) else accel.bf16_flops
         return max(flops / peak, bytes_moved / accel.hbm_bytes_per_s)
+
+
+_ALLOCATES_ONLY = frozenset(
+    (
+        _aten.empty.memory_format,
+        _aten.empty_strided.default,
+        _aten.new_empty.default,
+        _aten.new_empty_strided.default,
+        _aten.empty_like.default,
+    )
+)
 
 
 def _storage_id(tensor: torch.Tensor) -> int:

@@ -16,7 +16,7 @@ from actplan._engine.offload import quiet_empty_offload
 from actplan._install.apply import interval_map_of
 from actplan.config import PRESETS
 from actplan.config._presets import preset_kept_units
-from actplan.measure import RooflineClock, is_fake
+from actplan.measure import RooflineClock, exposed_copy_seconds
 from actplan.planning._isolated import IsolatedLayer
 from actplan.planning._records import CandidateProfile
 
@@ -39,7 +39,7 @@ def _exposed_seconds(candidate: CandidateProfile, bandwidth: dict[str, float], o
     if not overlap:
         return out + back  # synchronous copies: all of it shows
     # Copies overlap the layer's own compute: forward about a third of it, backward the rest.
-    return max(out - candidate.layer_seconds / 3, 0.0) + max(back - 2 * candidate.layer_seconds / 3, 0.0)
+    return exposed_copy_seconds(out, back, candidate.layer_seconds / 3, 2 * candidate.layer_seconds / 3)
 
 
 class _Candidates:
@@ -156,8 +156,8 @@ def profile_layer_type(
     clock: RooflineClock | None = None,
 ) -> list[CandidateProfile]:
     """The layer type's candidates; ``say`` is called ``layer_type_steps(layer)`` times. With
-    ``clock``, times are its estimates; on fake tensors offload is not profiled (its copies
-    need values), so no offloaded variant is offered."""
+    ``clock``, times are its estimates (offload's copies at its accelerator's host link, on
+    fake tensors as on real ones: the engine moves fake tensors as it moves real ones)."""
     isolated = IsolatedLayer(layer, args, kwargs, min_bytes, clock)
     every_unit = [u.value for u in interval_map_of(layer).units]
     declared = _units_that_run(isolated, layer, every_unit)
@@ -174,7 +174,6 @@ def profile_layer_type(
     isolated.forget(chosen)
     say("timing")
     found = dict(candidates.chosen)
-    if not any(is_fake(p) for p in layer.parameters()):
-        _offloaded_variants(isolated, found, bandwidth, overlap)
+    _offloaded_variants(isolated, found, bandwidth, overlap)
     say("offload")
     return list(found.values())

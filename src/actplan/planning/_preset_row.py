@@ -13,13 +13,13 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from actplan._install.apply import apply, find_layers
+from actplan._install.apply import apply, find_layers, offload_engine
 from actplan.config import RecomputeConfig
 from actplan.measure import AllocatorSettings, FakeRun, MemoryMeter, RooflineClock, replay_allocations
 from actplan.models import build_model, loss_of
 from actplan.models.shape import DTYPES, Shape
 from actplan.planning._estimate_plans import default_dtype
-from actplan.planning._rank_step import formula_trace, install, rank_step
+from actplan.planning._rank_step import OffloadFigures, formula_trace, install, rank_step
 from actplan.planning._training import TrainingSetup
 
 __all__ = ["EstimateRow", "PresetJob", "RankSizes", "preset_row", "preset_step"]
@@ -47,6 +47,9 @@ class EstimateRow:
     predicted_peak_bytes: int | None = None
     predicted_ratio: float | None = None
     plan_yaml: str | None = None
+    # Rows that offload: the host tier and the copies of the step (``seconds`` includes the
+    # copy time its compute cannot hide).
+    moved: OffloadFigures | None = None
 
 
 def _drop_grads_when_complete(model: nn.Module) -> None:
@@ -96,15 +99,21 @@ def _traced_step(
         with meter, clock:
             loss = loss_of(model(**batch))
             forward_end = meter.mark("forward_end").activation_bytes
+            forward_seconds = clock.seconds
             loss.backward()
         report = meter.report()
+        engine = offload_engine(model)
+        moved = None
+        if engine is not None:
+            moved = OffloadFigures.of(engine, gpu, forward_seconds, clock.seconds - forward_seconds)
     row = EstimateRow(
         preset=preset if isinstance(preset, str) else "plan",
         activation_bytes=forward_end,
         step_peak_bytes=report.peak_live_bytes,
         peak_bytes=0,
         flops=clock.flops,
-        seconds=clock.seconds,
+        seconds=clock.seconds + (moved.exposed_seconds if moved is not None else 0.0),
+        moved=moved,
     )
     return row, sizes, meter.allocation_trace()
 
@@ -148,7 +157,8 @@ def preset_row(job: PresetJob, preset: str | RecomputeConfig) -> tuple[EstimateR
             step_peak_bytes=ran.step_peak_bytes,
             peak_bytes=ran.peak_bytes,
             flops=ran.flops,
-            seconds=ran.seconds,
+            seconds=ran.seconds + (ran.moved.exposed_seconds if ran.moved is not None else 0.0),
+            moved=ran.moved,
         )
         report, sizes, static, gathered = (
             ran.allocator,

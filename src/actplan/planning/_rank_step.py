@@ -42,16 +42,20 @@ from typing import TYPE_CHECKING, Literal
 import torch
 import torch.distributed as dist
 
+from actplan._install.apply import offload_engine
 from actplan._install.baselines import baseline
 from actplan._install.parallel import parallelize
 from actplan._torch_internals import fake_process_group_store
 from actplan.config import RecomputeConfig
+from actplan.config._presets import OFFLOAD_VARIANTS
 from actplan.measure import (
     AllocatorReport,
     AllocatorSettings,
     FakeRun,
     MemoryMeter,
     RooflineClock,
+    accelerator,
+    exposed_copy_seconds,
     replay_allocations,
 )
 from actplan.models import build_for_shape, loss_of
@@ -66,6 +70,7 @@ Routing = Literal["balanced"] | Sequence[Sequence[int]]
 
 __all__ = [
     "CUDA_CONTEXT_BYTES",
+    "OffloadFigures",
     "RankStep",
     "check_expert_layout",
     "expert_layout_refusal",
@@ -113,6 +118,29 @@ class RankStep:
     parameters: int  # this rank's model, before sharding
     flops: int
     seconds: float
+    moved: OffloadFigures | None = None  # the steady step's offload, when the plan offloads
+
+
+@dataclass(frozen=True)
+class OffloadFigures:
+    """What offload moved in one step and what its host tier holds, with the copy time the
+    step's compute cannot hide (at the accelerator's host link; ``exposed_copy_seconds``)."""
+
+    host_bytes: int  # host-tier (pinned) bytes this rank holds: the pool's reserve, or its peak use
+    offloaded_bytes: int
+    reloaded_bytes: int
+    exposed_seconds: float
+
+    @classmethod
+    def of(cls, engine, gpu: str, forward_seconds: float, backward_seconds: float) -> OffloadFigures:
+        """``engine``'s figures since its counters were last reset."""
+        stats = engine.snapshot()
+        link = accelerator(gpu).host_link_bytes_per_s
+        exposed = exposed_copy_seconds(
+            stats.bytes_offloaded / link, stats.bytes_reloaded / link, forward_seconds, backward_seconds
+        )
+        host = max(stats.host_reserved_bytes, stats.host_peak_bytes)
+        return cls(host, stats.bytes_offloaded, stats.bytes_reloaded, exposed)
 
 
 @contextlib.contextmanager
@@ -153,7 +181,10 @@ def _peak_after(events: list[tuple[int, int, int, int]], start: int, live: int) 
 
 def install(model: torch.nn.Module, preset: str | RecomputeConfig) -> RecomputeConfig | str:
     """Installs a baseline (``BASELINES``: what users run today) itself and returns ``"none"``
-    for actplan to install on top of it; returns anything else unchanged, for actplan."""
+    for actplan to install on top of it; returns the config of a named offload variant
+    (``OFFLOAD_VARIANTS``), and anything else unchanged, for actplan."""
+    if isinstance(preset, str) and preset in OFFLOAD_VARIANTS:
+        return RecomputeConfig.from_dict(OFFLOAD_VARIANTS[preset], source=f"preset {preset!r}")
     installer = baseline(preset) if isinstance(preset, str) else None
     if installer is not None:
         installer(model)
@@ -281,9 +312,13 @@ def step_on_mesh(
         resident = resident_events(model)
         meter = MemoryMeter(model, optimizer, trace_allocations=True, follow_fsdp=True)
         clock = RooflineClock(gpu)
+        engine = offload_engine(model)
+        forward_seconds = 0.0
         with meter, _collected_between_steps():
             for step in range(STEPS):
                 steady = step == STEPS - 1
+                if steady and engine is not None:
+                    engine.reset_stats()
                 _retire_collectives(mesh)
                 start = meter.mark(f"step{step}").live_bytes
                 for micro in range(training.grad_accum):
@@ -292,9 +327,11 @@ def step_on_mesh(
                     _retire_collectives(mesh)
                     micro_start = meter.live_bytes
                     with clock if steady else contextlib.nullcontext(), loss_context():
+                        started = clock.seconds
                         loss = loss_of(model(**batch)) / training.grad_accum
                         _retire_collectives(mesh)
                         forward_end = meter.mark(f"forward{step}.{micro}").live_bytes
+                        forward_seconds += clock.seconds - started
                         loss.backward()
                     del loss
                 optimizer.step()
@@ -313,6 +350,9 @@ def step_on_mesh(
         parameters=parameters,
         flops=clock.flops,
         seconds=clock.seconds,
+        moved=None
+        if engine is None
+        else OffloadFigures.of(engine, gpu, forward_seconds, clock.seconds - forward_seconds),
     )
 
 

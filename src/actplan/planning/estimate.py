@@ -244,8 +244,9 @@ def estimate(
     )
     if plans:
         notes.append(
-            "plans: profiled and planned on fake tensors with the roofline clock (offload is not "
-            "profiled on fake tensors); the planner plans requested bytes, 'predicted' is its figure, "
+            "plans: profiled and planned on fake tensors with the roofline clock (offload's copies "
+            "at the GPU's host link, hidden behind a layer's compute as far as it lasts); the "
+            "planner plans requested bytes, 'predicted' is its figure, "
             "the row the plan's own step, and fits is judged on the row's reserved bytes"
             + (
                 "; the profile steps one micro-batch over every parameter, so with --grad-accum or "

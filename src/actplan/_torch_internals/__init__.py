@@ -27,6 +27,7 @@ import torch
 
 from actplan._torch_internals._errors import TorchInternalsError
 from actplan._torch_internals._fsdp import (
+    collective_call,
     dtensor_shape_propagation,
     fake_process_group_store,
     process_group_named,
@@ -93,6 +94,7 @@ __all__ = [
     "TorchInternalsError",
     "capture_data_dependent_shapes",
     "checkpoint_frame",
+    "collective_call",
     "compile_module_under",
     "detach_alias",
     "disable_current_modes",

@@ -32,6 +32,56 @@ def waited_collective(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.trigger_wait()
 
 
+# The collectives a step runs, by op: (kind, whether the program waits for it at once, which
+# tensor's bytes the cost counts: "out", the output, or the argument of that name). c10d's own
+# ops are what FSDP2 issues on its streams; the functional ones, tensor parallelism's and
+# expert parallelism's, are waited on where their result is used, at once.
+_COLLECTIVES = {
+    "c10d::_allgather_base_": ("all-gather", False, "output_tensor"),
+    "c10d::allgather_into_tensor_coalesced_": ("all-gather", False, "outputs"),
+    "c10d::_reduce_scatter_base_": ("reduce-scatter", False, "input_tensor"),
+    "c10d::reduce_scatter_tensor_coalesced_": ("reduce-scatter", False, "inputs"),
+    "c10d::allreduce_": ("all-reduce", False, "tensors"),
+    "_c10d_functional::all_gather_into_tensor": ("all-gather", True, "out"),
+    "_c10d_functional::all_gather_into_tensor_coalesced": ("all-gather", True, "out"),
+    "_c10d_functional::reduce_scatter_tensor": ("reduce-scatter", True, "input"),
+    "_c10d_functional::reduce_scatter_tensor_coalesced": ("reduce-scatter", True, "inputs"),
+    "_c10d_functional::all_reduce": ("all-reduce", True, "input"),
+    "_c10d_functional::all_reduce_coalesced": ("all-reduce", True, "inputs"),
+    "_c10d_functional::all_to_all_single": ("all-to-all", True, "input"),
+}
+
+
+def collective_call(
+    func: Any, args: tuple, kwargs: dict, out: Any
+) -> tuple[str, bool, int, list[int]] | None:
+    """For a collective op: its kind, whether the program waits for it at once, the bytes its
+    cost counts and the global ranks of its group; ``None`` for any other op."""
+    entry = _COLLECTIVES.get(func._schema.name)
+    if entry is None:
+        return None
+    kind, blocking, counted = entry
+    named = dict(zip((a.name for a in func._schema.arguments), args, strict=False)) | kwargs
+    tensors = out if counted == "out" else named[counted]
+    if all(t.numel() == 0 for t in _tensors(tensors)):
+        return None
+    nbytes = sum(t.numel() * t.element_size() for t in _tensors(tensors))
+    if kind == "all-to-all":
+        nbytes = max(nbytes, out.numel() * out.element_size())
+    group = named.get("process_group", named.get("group_name"))
+    if isinstance(group, str):
+        group = process_group_named(group)
+    elif not isinstance(group, torch.distributed.ProcessGroup):
+        group = torch.distributed.ProcessGroup.unbox(group)  # the dispatcher's boxed group
+    return kind, blocking, nbytes, torch.distributed.get_process_group_ranks(group)
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    return [t for item in value for t in _tensors(item)]
+
+
 def fake_process_group_store() -> Any:
     """A store for torch's ``fake`` process-group backend (``init_process_group("fake")``):
     collectives return at once with outputs of the right shapes, one rank of any world size."""

@@ -82,8 +82,10 @@ def estimate(args: argparse.Namespace, console: Console) -> int:
         training=TrainingSetup(args.optimizer, args.optimizer_impl, args.grad_accum, args.freeze),
         progress=progress,
         workers=default_workers() if args.workers is None else args.workers,
+        gpus_per_node=args.gpus_per_node,
     )
     console.print(estimate_table(result))
+    console.print(time_table(result))
     for note in result.notes:
         console.print(f"note: {note}")
     best = result.recommended
@@ -156,4 +158,27 @@ def estimate_table(result) -> Table:
             )
         cells.append("-" if row.fits is None else ("yes" if row.fits else "no"))
         table.add_row(*cells)
+    return table
+
+
+def time_table(result) -> Table:
+    """Where each row's estimated step time goes: compute, the communication and the offload
+    copies the compute waits for; what the step trains per GPU."""
+    table = Table(title="where the time goes (estimates)")
+    headers = ["preset / plan", "est. step", "compute", "waits: comm", "waits: copies"]
+    headers += ["tokens/s per GPU", "MFU"]
+    for header in headers:
+        table.add_column(header, justify="left" if header == "preset / plan" else "right")
+    for row in result.rows:
+        copies = row.moved.exposed_seconds if row.moved is not None else 0.0
+        compute = row.seconds - row.exposed_comm_seconds - copies
+        table.add_row(
+            row.preset,
+            f"{row.seconds * 1e3:,.0f} ms",
+            f"{compute * 1e3:,.0f} ms",
+            f"{row.exposed_comm_seconds * 1e3:,.0f} ms",
+            "-" if row.moved is None else f"{copies * 1e3:,.0f} ms",
+            f"{row.tokens_per_s:,.0f}" if row.tokens_per_s is not None else "-",
+            f"{row.mfu:.0%}" if row.mfu is not None else "-",
+        )
     return table

@@ -148,6 +148,13 @@ def _add_estimate(sub) -> None:
         "(torchtitan's layer-level one: every N-th layer whole)",
     )
     parser.add_argument(
+        "--gpus-per-node",
+        type=int,
+        metavar="N",
+        help="GPUs per node (default: the --gpu's, 8): collectives of a group within a node run on "
+        "its GPU link, of a group across nodes on the network",
+    )
+    parser.add_argument(
         "--optimizer",
         default="AdamW",
         help="the optimizer stepped: a torch.optim class (AdamW, SGD, Adafactor, ...) or an import "

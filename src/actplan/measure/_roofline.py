@@ -5,9 +5,12 @@ the FLOPs it computes and the bytes it moves, for runs on a machine that is not 
 Per op: ``max(FLOPs / peak FLOP/s, bytes read and written / HBM bandwidth)``. FLOPs come from
 ``torch.utils.flop_counter``'s formulas (matrix products, convolutions, attention kernels, with
 the CPU flash-attention op added here), at the accelerator's peak for the op's dtype; every other
-op is charged for its bytes only. Views cost nothing. These are *estimates*: vendor peaks, no
-kernel efficiency, no launch overhead, no overlap of communication; ratios between plans (same
-shapes, same ops) hold better than absolute seconds. Imports torch, ``_storage`` and ``_torch_internals``.
+op is charged for its bytes only. Views and allocations cost nothing. Collectives are priced on
+the accelerator's links and laid on the step's streams (``_collectives``): FSDP's all-gathers
+and reduce-scatters beside the compute, tensor and expert parallelism's in its path. These are
+*estimates*: vendor peaks, no kernel efficiency, no launch overhead; ratios between plans (same
+shapes, same ops) hold better than absolute seconds. Imports torch, ``_storage``,
+``_torch_internals`` and ``_collectives``.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ import torch
 from torch.utils import flop_counter
 
 from actplan._storage import storage_key
-from actplan._torch_internals import DEVICE_QUERY, TorchDispatchMode, op_schema, tree_flatten
+from actplan._torch_internals import DEVICE_QUERY, TorchDispatchMode, collective_call, op_schema, tree_flatten
+from actplan.measure._collectives import Collective, Streams, collective_seconds, spans_nodes
 
 __all__ = ["ACCELERATORS", "Accelerator", "RooflineClock", "accelerator", "exposed_copy_seconds", "op_flops"]
 
@@ -36,6 +40,12 @@ class Accelerator:
     host_link_bytes_per_s: float  # one direction, host <-> device
     source: str
     memory_bytes: float = 80e9  # HBM capacity, the datasheet's GB (10^9 bytes)
+    # Collectives' links, one direction per GPU: inside a node (NVLink, Infinity Fabric) and
+    # across nodes (the node's NICs per GPU), with the source of both.
+    intra_node_bytes_per_s: float = 0.0
+    inter_node_bytes_per_s: float = 0.0
+    gpus_per_node: int = 8
+    links_source: str = ""
 
 
 ACCELERATORS: dict[str, Accelerator] = {
@@ -46,37 +56,60 @@ ACCELERATORS: dict[str, Accelerator] = {
             "NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB): BF16 312 TFLOPS dense, FP32 19.5 "
             "TFLOPS, HBM2e 2,039 GB/s; PCIe Gen4 x16 32 GB/s per direction; 80 GB HBM2e",
             memory_bytes=80e9,
+            intra_node_bytes_per_s=300e9,
+            inter_node_bytes_per_s=25e9,
+            links_source="A100 datasheet: NVLink 600 GB/s (both directions); NVIDIA DGX A100 "
+            "datasheet: 8 single-port ConnectX-6 200 Gb/s for the cluster network, one per GPU",
         ),
         Accelerator(
             "h100", 989.4e12, 66.9e12, 3.35e12, 64e9,
             "NVIDIA H100 Tensor Core GPU datasheet (SXM5): BF16 1,979 TFLOPS with sparsity (989 "
             "dense), FP32 67 TFLOPS, HBM3 3.35 TB/s; PCIe Gen5 x16 64 GB/s per direction; 80 GB HBM3",
             memory_bytes=80e9,
+            intra_node_bytes_per_s=450e9,
+            inter_node_bytes_per_s=50e9,
+            links_source="H100 datasheet (SXM5): NVLink 900 GB/s (both directions); NVIDIA DGX "
+            "H100 datasheet: 8 ConnectX-7 400 Gb/s for the cluster network, one per GPU",
         ),
         Accelerator(
             "h200", 989.4e12, 66.9e12, 4.8e12, 64e9,
             "NVIDIA H200 Tensor Core GPU datasheet (SXM): BF16 1,979 TFLOPS with sparsity (989 "
             "dense), FP32 67 TFLOPS, HBM3e 4.8 TB/s; PCIe Gen5 x16 64 GB/s per direction; 141 GB HBM3e",
             memory_bytes=141e9,
+            intra_node_bytes_per_s=450e9,
+            inter_node_bytes_per_s=50e9,
+            links_source="H200 datasheet (SXM): NVLink 900 GB/s (both directions); NVIDIA HGX "
+            "H200 reference: one 400 Gb/s ConnectX-7 per GPU for the cluster network",
         ),
         Accelerator(
             "b200", 2.25e15, 80e12, 8e12, 64e9,
             "NVIDIA HGX B200 datasheet (per GPU): FP16/BF16 4.5 PFLOPS with sparsity (2.25 dense), "
             "FP32 80 TFLOPS, HBM3e 8 TB/s; PCIe Gen5 x16 64 GB/s per direction; 180 GB HBM3e",
             memory_bytes=180e9,
+            intra_node_bytes_per_s=900e9,
+            inter_node_bytes_per_s=50e9,
+            links_source="HGX B200 datasheet: NVLink 1.8 TB/s per GPU (both directions); NVIDIA "
+            "DGX B200 datasheet: 8 single-port ConnectX-7 400 Gb/s for the cluster network",
         ),
         Accelerator(
             "mi300x", 1307.4e12, 163.4e12, 5.3e12, 64e9,
             "AMD Instinct MI300X datasheet: BF16 1,307.4 TFLOPS dense, FP32 163.4 TFLOPS, HBM3 "
             "5.3 TB/s; PCIe Gen5 x16 64 GB/s per direction; 192 GB HBM3",
             memory_bytes=192e9,
+            intra_node_bytes_per_s=448e9,
+            inter_node_bytes_per_s=50e9,
+            links_source="MI300X datasheet: 7 Infinity Fabric links of 128 GB/s (both directions) "
+            "to the platform's other 7 GPUs; AMD Instinct MI300X platform: a 400 Gb/s NIC per GPU",
         ),
     )
 }  # fmt: skip
 
 
-def accelerator(name: str) -> Accelerator:
-    """The table's entry for ``name`` (case-insensitive); an error lists the table otherwise."""
+def accelerator(name: str | Accelerator) -> Accelerator:
+    """The table's entry for ``name`` (case-insensitive); an error lists the table otherwise.
+    An ``Accelerator`` (one of the table's with a field changed, say) is taken as it is."""
+    if isinstance(name, Accelerator):
+        return name
     found = ACCELERATORS.get(name.lower())
     if found is None:
         raise ValueError(f"unknown accelerator {name!r}; known: {', '.join(ACCELERATORS)}")
@@ -199,10 +232,26 @@ class RooflineClock(TorchDispatchMode):
 
     def reset(self) -> None:
         """Zero the totals."""
-        self.seconds = 0.0
+        self.streams = Streams()
         self.flops = 0
         self.bytes_moved = 0
         self.by_op: dict[str, OpCost] = defaultdict(OpCost)
+        self.collective_bytes: dict[str, int] = defaultdict(int)  # by kind, as each rank counts
+
+    @property
+    def seconds(self) -> float:
+        """The step so far: compute, and the communication it waits for (``streams``)."""
+        return self.streams.end
+
+    @property
+    def compute_seconds(self) -> float:
+        return self.streams.compute_seconds
+
+    @property
+    def exposed_comm_seconds(self) -> float:
+        """Communication the compute waits for: blocking collectives, all-gathers not hidden
+        behind the unit before, reduce-scatters still running at the end."""
+        return self.streams.exposed
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is DEVICE_QUERY:
@@ -211,6 +260,10 @@ class RooflineClock(TorchDispatchMode):
         out = func(*args, **kwargs)
         if func in _ALLOCATES_ONLY:
             return out  # memory handed out, no kernel: nothing is read or written
+        call = collective_call(func, args, kwargs, out)
+        if call is not None:
+            self._collective(func, *call)
+            return out
         in_leaves = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         out_leaves = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         schema = op_schema(func)
@@ -233,8 +286,25 @@ class RooflineClock(TorchDispatchMode):
         cost.seconds += seconds
         self.flops += flops
         self.bytes_moved += moved
-        self.seconds += seconds
+        self.streams.compute(seconds)
         return out
+
+    def _collective(self, func: Any, kind: str, blocking: bool, nbytes: int, ranks: list[int]) -> None:
+        accel = self.accelerator
+        across = spans_nodes(ranks, accel.gpus_per_node)
+        link = accel.inter_node_bytes_per_s if across else accel.intra_node_bytes_per_s
+        seconds = collective_seconds(Collective(kind), nbytes, len(ranks), link)
+        cost = self.by_op[str(getattr(func, "overloadpacket", func))]
+        cost.calls += 1
+        cost.bytes_moved += nbytes
+        cost.seconds += seconds
+        self.collective_bytes[kind] += nbytes
+        if blocking:
+            self.streams.blocking(seconds)
+        elif kind == "all-gather":
+            self.streams.gather(seconds)
+        else:
+            self.streams.reduce(seconds)
 
     def op_seconds(self, flops: int, bytes_moved: int, dtype: torch.dtype | None) -> float:
         accel = self.accelerator

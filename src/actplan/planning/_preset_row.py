@@ -9,13 +9,20 @@ planning package's rank step.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch import nn
 
 from actplan._install.apply import apply, find_layers, offload_engine
 from actplan.config import RecomputeConfig
-from actplan.measure import AllocatorSettings, FakeRun, MemoryMeter, RooflineClock, replay_allocations
+from actplan.measure import (
+    Accelerator,
+    AllocatorSettings,
+    FakeRun,
+    MemoryMeter,
+    RooflineClock,
+    replay_allocations,
+)
 from actplan.models import build_model, loss_of
 from actplan.models.shape import DTYPES, Shape
 from actplan.planning._estimate_plans import default_dtype
@@ -50,6 +57,12 @@ class EstimateRow:
     # Rows that offload: the host tier and the copies of the step (``seconds`` includes the
     # copy time its compute cannot hide).
     moved: OffloadFigures | None = None
+    exposed_comm_seconds: float = 0.0  # of ``seconds``, communication the compute waits for
+    collective_bytes: dict[str, int] = field(default_factory=dict)
+    # Estimates from ``seconds``: tokens one GPU trains per second, and model FLOPs utilisation
+    # (``none``'s FLOPs, no recompute, over the step time at the GPU's peak).
+    tokens_per_s: float | None = None
+    mfu: float | None = None
 
 
 def _drop_grads_when_complete(model: nn.Module) -> None:
@@ -81,7 +94,7 @@ def _sizes(model: nn.Module) -> RankSizes:
 
 
 def _traced_step(
-    shape: Shape, preset: str | RecomputeConfig, gpu: str, fake: bool = True
+    shape: Shape, preset: str | RecomputeConfig, gpu: str | Accelerator, fake: bool = True
 ) -> tuple[EstimateRow, RankSizes, list[tuple[int, int, int, int]]]:
     """``preset_step``, with the step's allocation trace."""
     run = FakeRun() if fake else contextlib.nullcontext()
@@ -119,7 +132,7 @@ def _traced_step(
 
 
 def preset_step(
-    shape: Shape, preset: str | RecomputeConfig, gpu: str, fake: bool = True
+    shape: Shape, preset: str | RecomputeConfig, gpu: str | Accelerator, fake: bool = True
 ) -> tuple[EstimateRow, RankSizes]:
     """One preset's (or config's, or baseline's) metered, clocked step of ``shape``'s bare
     layer stack; with ``fake=False`` the same step on real tensors (the tests compare the
@@ -138,7 +151,7 @@ class PresetJob:
     fsdp: int
     tp: int
     ep: int
-    gpu: str
+    gpu: str | Accelerator  # an Accelerator with its node size set (--gpus-per-node)
     settings: AllocatorSettings
     training: TrainingSetup
     outside: int  # bytes held outside the allocator
@@ -159,6 +172,8 @@ def preset_row(job: PresetJob, preset: str | RecomputeConfig) -> tuple[EstimateR
             flops=ran.flops,
             seconds=ran.seconds + (ran.moved.exposed_seconds if ran.moved is not None else 0.0),
             moved=ran.moved,
+            exposed_comm_seconds=ran.exposed_comm_seconds,
+            collective_bytes=ran.collective_bytes,
         )
         report, sizes, static, gathered = (
             ran.allocator,

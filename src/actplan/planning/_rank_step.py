@@ -36,7 +36,7 @@ import contextlib
 import gc
 import warnings
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 import torch
@@ -49,6 +49,7 @@ from actplan._torch_internals import fake_process_group_store
 from actplan.config import RecomputeConfig
 from actplan.config._presets import OFFLOAD_VARIANTS
 from actplan.measure import (
+    Accelerator,
     AllocatorReport,
     AllocatorSettings,
     FakeRun,
@@ -117,7 +118,9 @@ class RankStep:
     allocator: AllocatorReport  # the caching allocator's peaks for the same trace
     parameters: int  # this rank's model, before sharding
     flops: int
-    seconds: float
+    seconds: float  # the steady step on the roofline clock, with the communication it waits for
+    exposed_comm_seconds: float = 0.0  # of which the compute waits for communication
+    collective_bytes: dict[str, int] = field(default_factory=dict)  # by kind, as this rank counts them
     moved: OffloadFigures | None = None  # the steady step's offload, when the plan offloads
 
 
@@ -132,7 +135,9 @@ class OffloadFigures:
     exposed_seconds: float
 
     @classmethod
-    def of(cls, engine, gpu: str, forward_seconds: float, backward_seconds: float) -> OffloadFigures:
+    def of(
+        cls, engine, gpu: str | Accelerator, forward_seconds: float, backward_seconds: float
+    ) -> OffloadFigures:
         """``engine``'s figures since its counters were last reset."""
         stats = engine.snapshot()
         link = accelerator(gpu).host_link_bytes_per_s
@@ -196,7 +201,7 @@ def rank_step(
     shape: Shape,
     preset: str | RecomputeConfig,
     fsdp: int,
-    gpu: str,
+    gpu: str | Accelerator,
     settings: AllocatorSettings | None = None,
     fake: bool = True,
     tp: int = 1,
@@ -254,7 +259,7 @@ def step_on_mesh(
     shape: Shape,
     preset: str | RecomputeConfig,
     mesh: DeviceMesh,
-    gpu: str,
+    gpu: str | Accelerator,
     settings: AllocatorSettings | None = None,
     fake: bool = True,
     training: TrainingSetup = DEFAULT_TRAINING,
@@ -350,6 +355,8 @@ def step_on_mesh(
         parameters=parameters,
         flops=clock.flops,
         seconds=clock.seconds,
+        exposed_comm_seconds=clock.exposed_comm_seconds,
+        collective_bytes=dict(clock.collective_bytes),
         moved=None
         if engine is None
         else OffloadFigures.of(engine, gpu, forward_seconds, clock.seconds - forward_seconds),

@@ -39,9 +39,9 @@ command line's ``--workers``, by default one per usable core), the planner's pro
 them, and then each budget's plan tries beside the other budgets'. A preset's step is
 ``_preset_row.preset_row``.
 
-Times are estimates (``measure.RooflineClock``): forward and backward (plans: as the planner
-predicts them, optimizer step included), no communication. Imports install, measure, models
-and the planning package.
+Times are estimates (``measure.RooflineClock``): forward and backward with the communication
+the compute waits for (plans: as the planner predicts them, optimizer step included). Imports
+install, measure, models and the planning package.
 """
 
 from __future__ import annotations
@@ -114,6 +114,7 @@ def estimate(
     training: TrainingSetup = DEFAULT_TRAINING,
     progress: Callable[[str], None] | None = None,
     workers: int = 1,
+    gpus_per_node: int | None = None,
 ) -> EstimateResult:
     """Each preset's memory per GPU (requested, allocated and reserved) and estimated step
     time at ``shape`` on one rank of the layout (FSDP over ``fsdp``, tensor parallel over
@@ -123,8 +124,13 @@ def estimate(
     ``training`` is the optimizer, the micro-batches per step and the frozen parameters
     (``TrainingSetup``; AdamW, one micro-batch, nothing frozen by default). ``workers`` steps
     the presets in that many processes at once (``_workers.Workers``; the planner's budgets are
-    tried side by side too). See the module doc."""
+    tried side by side too). ``gpus_per_node`` replaces the GPU's (8): groups within a node run
+    their collectives on its GPU link, groups across nodes on the network. See the module doc."""
     accel = accelerator(gpu)
+    if gpus_per_node is not None:
+        if gpus_per_node < 1:
+            raise ValueError(f"--gpus-per-node must be 1 or more, got {gpus_per_node}")
+        accel = replace(accel, gpus_per_node=gpus_per_node)
     if fsdp < 1:
         raise ValueError(f"--fsdp must be 1 or more ranks, got {fsdp}")
     if ep > 1 and fsdp % ep:
@@ -165,7 +171,7 @@ def estimate(
     outside = CUDA_CONTEXT_BYTES + nccl_bytes(groups)
     say = progress or (lambda line: None)
     started = time.perf_counter()
-    job = PresetJob(shape, rank_shape, measured, fsdp, tp, ep, accel.name, settings, training, outside)
+    job = PresetJob(shape, rank_shape, measured, fsdp, tp, ep, accel, settings, training, outside)
     how = f"through parallelize over {fsdp * tp} fake ranks" if measured else "their layers bare"
     # The planner needs `none`'s row (and some row's static bytes), stepped with the presets.
     names = [*presets, *(["none"] if plans and "none" not in presets else [])]
@@ -192,15 +198,26 @@ def estimate(
             planner = planner_for(profile, profiled, accel.name, static + gathered, none_row.seconds)
             measured = [row for row, *_ in stepped]
             rows += _plans(planner, pool, job, measured, budget_bytes, accel.memory_bytes, say, refused)
-    none_seconds = next((r.seconds for r in rows if r.preset == "none"), None)
+    none_row = next((r for r in rows if r.preset == "none"), None)
+    peak = accel.fp32_flops if shape.dtype == "fp32" else accel.bf16_flops
     for row in rows:
-        row.ratio_to_none = None if none_seconds is None else row.seconds / none_seconds
+        row.ratio_to_none = None if none_row is None else row.seconds / none_row.seconds
+        row.tokens_per_s = shape.batch * shape.seq / tp / row.seconds
+        row.mfu = None if none_row is None else none_row.flops / (row.seconds * peak)
         limit = row.budget_bytes if row.budget_bytes is not None else budget_bytes
         row.fits = row.reserved_peak_bytes + row.outside_allocator_bytes <= (limit or accel.memory_bytes)
     notes = [
         *(f"no plan: {reason}" for reason in refused),
         f"times are estimates from a roofline clock for {accel.name} (vendor peaks, no kernel "
-        "efficiency, no communication); memory is measured on fake tensors",
+        "efficiency); collectives at ring cost on the GPU's links, "
+        + (
+            f"{accel.intra_node_bytes_per_s / 1e9:.0f} GB/s inside a node of {accel.gpus_per_node} "
+            f"GPUs, {accel.inter_node_bytes_per_s / 1e9:.0f} GB/s per GPU across nodes, FSDP's "
+            "beside the compute, TP's and EP's in its path"
+            if measured
+            else "none on the formula path"
+        )
+        + "; memory is measured on fake tensors",
         f"reserved: the step's allocations replayed through a model of torch's CUDA caching "
         f"allocator ({settings.describe()}; set --alloc-conf or PYTORCH_ALLOC_CONF), a pool per stream; "
         f"fits: reserved + {human_bytes(outside)} outside the allocator (CUDA context, NCCL "

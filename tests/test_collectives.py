@@ -64,6 +64,20 @@ def test_reduce_scatters_run_beside_the_compute_until_the_step_ends():
     assert streams.end == 7.0
 
 
+def test_a_reload_hides_behind_the_compute_between_its_request_and_its_use():
+    streams = Streams()
+    streams.compute(1.0)
+    out = streams.copy_out(3.0)  # issued at 1 (its tensor exists), beside the compute: ends at 4
+    streams.compute(5.0)  # forward goes on to 6
+    back = streams.copy_in(2.0, out)  # asked for at 6: ends at 8
+    streams.compute(1.0)  # the backward of the layer after it: to 7
+    streams.use(back)  # the compute reads it at 7, waits 1
+    assert streams.end == 8.0 and streams.exposed == streams.exposed_copies == 1.0
+    late = streams.copy_in(2.0, streams.copy_out(10.0))  # out 8..18, in 18..20: nothing hides it
+    streams.use(late)
+    assert streams.end == 20.0 and streams.exposed_copies == 13.0
+
+
 SHAPE = Shape(layers=2, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=128, seq=32, batch=2, dtype="fp32")
 
 

@@ -18,7 +18,15 @@ import torch
 from actplan._callsite import warn
 from actplan._torch_internals import disable_current_modes as _disable_current_modes
 
-__all__ = ["HostBuffer", "HostPool", "StreamCopies", "SyncCopies", "event_done", "size_class"]
+__all__ = [
+    "HostBuffer",
+    "HostPool",
+    "ShapeOnlyCopies",
+    "StreamCopies",
+    "SyncCopies",
+    "event_done",
+    "size_class",
+]
 
 # ---------------------------------------------------------------------------------------------
 # Host tier
@@ -311,3 +319,26 @@ class SyncCopies:
     @staticmethod
     def use(event: Any) -> None:
         pass
+
+
+class ShapeOnlyCopies:
+    """Copies of an estimate's fake tensors: there are no values to move, so each is done at
+    once; a ``timer`` (a roofline clock's ``copy_timer``) places them on its copy streams, by
+    bytes, and its events tell when the compute can read a reload."""
+
+    def __init__(self, timer: Any = None) -> None:
+        self.timer = timer
+
+    def copy_out(self, source: torch.Tensor, host: torch.Tensor) -> Any:
+        return None if self.timer is None else self.timer.copy_out(host.numel())
+
+    def copy_in(self, host: torch.Tensor, target: torch.Tensor, after: Any) -> Any:
+        return None if self.timer is None else self.timer.copy_in(host.numel(), after)
+
+    @staticmethod
+    def keep_until_done(tensor: torch.Tensor, event: Any) -> None:
+        pass
+
+    def use(self, event: Any) -> None:
+        if self.timer is not None:
+            self.timer.use(event)

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from actplan._callsite import warn
-from actplan._engine.host_pool import HostPool, StreamCopies, SyncCopies
+from actplan._engine.host_pool import HostPool, ShapeOnlyCopies, StreamCopies, SyncCopies
 from actplan._engine.offload_moves import Group, Handle, Moved, OffloadedTensorMutatedError
 from actplan._storage import owned_storages, storage_keys
 from actplan._torch_internals import (
@@ -131,6 +131,7 @@ class OffloadEngine:
         self.stats = OffloadStats()
         self._copies: dict[torch.device, Any] = {}
         self._make_copies = copies if copies is not None else _default_copies
+        self._fake_copies = ShapeOnlyCopies()
         self._groups: list[weakref.ref[Group]] = []
         self._group_count = 0
         self._pass_id = 0
@@ -155,11 +156,20 @@ class OffloadEngine:
         self._always_skip = storage_keys(also_skip)
         self._skip_storages = set(self._always_skip)
 
-    def copies_for(self, device: torch.device) -> Any:
+    def copies_for(self, device: torch.device, fake: bool = False) -> Any:
+        """The copy back-end for tensors on ``device``; for an estimate's fake tensors, copies
+        that move no values (timed by ``time_copies``'s timer, if one is set)."""
+        if fake:
+            return self._fake_copies
         copies = self._copies.get(device)
         if copies is None:
             copies = self._copies[device] = self._make_copies(device)
         return copies
+
+    def time_copies(self, timer: Any) -> None:
+        """Time the copies of fake tensors with ``timer`` (``RooflineClock.copy_timer()``): an
+        estimate's offload then costs what its copies cannot hide behind the compute."""
+        self._fake_copies.timer = timer
 
     # -- forward --------------------------------------------------------------------------
 

@@ -24,7 +24,7 @@ class Mover(Protocol):
     pool: HostPool
     stats: Any
 
-    def copies_for(self, device: torch.device) -> Any: ...
+    def copies_for(self, device: torch.device, fake: bool = False) -> Any: ...
 
     def ensure_loaded(self, group: Group) -> None: ...
 
@@ -57,22 +57,23 @@ class Moved:
     def __init__(self, engine: Mover, source: torch.Tensor, nbytes: int) -> None:
         self.engine = engine
         self.nbytes = nbytes
-        self.copies = engine.copies_for(source.device)
         # A fake run (an estimate) moves fake tensors: its host buffers are fake (counted by the
-        # pool, never allocated) and its copy-out has no values to move, so it is done at once,
-        # as a CPU copy is.
+        # pool, never allocated) and its copies move no values (``ShapeOnlyCopies``), each done
+        # at once for memory, as a CPU copy is; a clock may still time them.
         fake_mode = source.fake_mode if isinstance(source, FakeTensor) else None
+        self.copies = engine.copies_for(source.device, fake=fake_mode is not None)
         self.host: HostBuffer | None = engine.pool.acquire(nbytes, fake_mode)
-        self.copy_out: Any = None
         if fake_mode is None:
             with _disable_current_modes():
                 flat = torch.empty(0, dtype=torch.uint8, device=source.device).set_(source.untyped_storage())
                 self.copy_out = self.copies.copy_out(flat, self.host.tensor[:nbytes])
+        else:
+            self.copy_out = self.copies.copy_out(source, self.host.tensor[:nbytes])
         # While the copy-out may still be running, an alias of the tensor stays here: it
         # shares the tensor's version counter, so an in-place write racing the copy is
         # seen however the copy ends and whether or not the tensor itself is still alive.
         # (The device memory itself is kept from reuse by the back-end, not by this alias.)
-        self.source: torch.Tensor | None = source.detach() if self.copy_out is not None else None
+        self.source: torch.Tensor | None = None if event_done(self.copy_out) else source.detach()
         self.version = tensor_version(source)
         self.mutated = False
         self.device = source.device

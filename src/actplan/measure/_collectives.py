@@ -66,10 +66,16 @@ class Streams:
     * FSDP's reduce-scatters (``reduce``) start once the gradients they reduce are computed and
       their own stream is free; nothing waits for them but the end of the step.
 
-    The two FSDP streams share the link without slowing each other (no contention modelled).
+    * Offload's copies (``copy_out``, ``copy_in``, ``use``) run on a copy-out and a copy-in
+      stream: a copy-out starts once its tensor exists (now) and the stream is free; a reload
+      once it is asked for (now: the engine prefetches a layer ahead), its copy-out has ended and
+      the stream is free; the compute waits for a reload where it first uses it.
+
+    The streams share links without slowing each other (no contention modelled).
 
     ``end`` is the step time; ``exposed`` the part of it that is not compute: blocking
-    collectives and the waits for all-gathers and the last reduce-scatters.
+    collectives, the waits for all-gathers and reloads, and streams still running at the end;
+    ``exposed_copies`` the offload copies' share of it.
     """
 
     compute_seconds: float = 0.0
@@ -77,6 +83,9 @@ class Streams:
     _compute: float = 0.0
     _gathers: float = 0.0  # where the all-gather stream is free
     _reduces: float = 0.0  # where the reduce-scatter stream is free
+    _outs: float = 0.0  # where the copy-out stream is free
+    _ins: float = 0.0  # where the copy-in stream is free
+    copy_wait_seconds: float = 0.0
     _last_unit_start: float | None = None
     waits: list[float] = field(default_factory=list)
 
@@ -100,9 +109,32 @@ class Streams:
     def reduce(self, seconds: float) -> None:
         self._reduces = max(self._reduces, self._compute) + seconds
 
+    def copy_out(self, seconds: float) -> float:
+        """A copy-out issued now; returns when it ends."""
+        self._outs = max(self._outs, self._compute) + seconds
+        return self._outs
+
+    def copy_in(self, seconds: float, after: float) -> float:
+        """A reload issued now, of a copy-out that ends at ``after``; returns when it ends."""
+        self._ins = max(self._ins, self._compute, after) + seconds
+        return self._ins
+
+    def use(self, ready: float) -> None:
+        """The compute reads a reload that ends at ``ready``."""
+        if ready > self._compute:
+            self.copy_wait_seconds += ready - self._compute
+            self._compute = ready
+
     @property
     def end(self) -> float:
-        return max(self._compute, self._gathers, self._reduces)
+        return max(self._compute, self._gathers, self._reduces, self._outs, self._ins)
+
+    @property
+    def exposed_copies(self) -> float:
+        """The copies' share of ``exposed``: waits for reloads, and copies still running when
+        everything else has ended."""
+        others = max(self._compute, self._gathers, self._reduces)
+        return self.copy_wait_seconds + max(self._outs - others, self._ins - others, 0.0)
 
     @property
     def exposed(self) -> float:

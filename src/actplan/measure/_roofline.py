@@ -119,10 +119,9 @@ def accelerator(name: str | Accelerator) -> Accelerator:
 def exposed_copy_seconds(
     out_seconds: float, in_seconds: float, forward_seconds: float, backward_seconds: float
 ) -> float:
-    """The copy time offload adds to a step whose copies run beside its compute: copies out
-    hide behind the forward's compute, reloads behind the backward's, as far as each lasts.
-    A bound from below (a copy cannot hide behind compute that ran before its tensor existed);
-    the per-layer schedule is finer."""
+    """The copy time offload adds to a stretch of compute its copies run beside: copies out
+    hide behind its forward, reloads behind its backward, as far as each lasts (the planner
+    charges a candidate layer so; a stepped row's copies are timed on ``Streams``)."""
     return max(out_seconds - forward_seconds, 0.0) + max(in_seconds - backward_seconds, 0.0)
 
 
@@ -232,6 +231,7 @@ class RooflineClock(TorchDispatchMode):
 
     def reset(self) -> None:
         """Zero the totals."""
+        self.running = getattr(self, "running", 0)  # blocks entered and not yet left
         self.streams = Streams()
         self.flops = 0
         self.bytes_moved = 0
@@ -251,7 +251,25 @@ class RooflineClock(TorchDispatchMode):
     def exposed_comm_seconds(self) -> float:
         """Communication the compute waits for: blocking collectives, all-gathers not hidden
         behind the unit before, reduce-scatters still running at the end."""
-        return self.streams.exposed
+        return self.streams.exposed - self.streams.exposed_copies
+
+    @property
+    def exposed_copies_seconds(self) -> float:
+        """Offload copies the compute waits for (``copy_timer``)."""
+        return self.streams.exposed_copies
+
+    def copy_timer(self) -> CopyTimer:
+        """Times an offload engine's copies on this clock's streams at the host link, while the
+        clock runs (``OffloadEngine.time_copies``)."""
+        return CopyTimer(self)
+
+    def __enter__(self) -> RooflineClock:
+        self.running += 1
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.running -= 1
+        super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is DEVICE_QUERY:
@@ -321,6 +339,45 @@ _ALLOCATES_ONLY = frozenset(
         _aten.empty_like.default,
     )
 )
+
+
+@dataclass(frozen=True)
+class CopyDone:
+    """An offload copy on the clock: done at once for memory (a fake run has no values to
+    wait for), ending at ``at`` seconds on the clock's streams."""
+
+    at: float
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+
+class CopyTimer:
+    """An offload engine's copies on a ``RooflineClock``'s copy streams at its accelerator's
+    host link (see ``_collectives.Streams``); copies while the clock is not running cost nothing."""
+
+    def __init__(self, clock: RooflineClock) -> None:
+        self.clock = clock
+
+    def copy_out(self, nbytes: int) -> CopyDone | None:
+        clock = self.clock
+        if not clock.running:
+            return None
+        return CopyDone(clock.streams.copy_out(nbytes / clock.accelerator.host_link_bytes_per_s))
+
+    def copy_in(self, nbytes: int, after: CopyDone | None) -> CopyDone | None:
+        clock = self.clock
+        if not clock.running:
+            return None
+        seconds = nbytes / clock.accelerator.host_link_bytes_per_s
+        return CopyDone(clock.streams.copy_in(seconds, after.at if after is not None else 0.0))
+
+    def use(self, done: CopyDone | None) -> None:
+        if done is not None and self.clock.running:
+            self.clock.streams.use(done.at)
 
 
 def _storage_id(tensor: torch.Tensor) -> int:

@@ -55,7 +55,7 @@ class EstimateRow:
     predicted_ratio: float | None = None
     plan_yaml: str | None = None
     # Rows that offload: the host tier and the copies of the step (``seconds`` includes the
-    # copy time its compute cannot hide).
+    # copy time its compute waits for).
     moved: OffloadFigures | None = None
     exposed_comm_seconds: float = 0.0  # of ``seconds``, communication the compute waits for
     collective_bytes: dict[str, int] = field(default_factory=dict)
@@ -108,24 +108,23 @@ def _traced_step(
         sizes = _sizes(model)
         batch = bundle.batch(0, FakeRun.device)
         clock = RooflineClock(gpu)
+        engine = offload_engine(model)
+        if engine is not None:
+            engine.time_copies(clock.copy_timer())
         meter = MemoryMeter(model, trace_allocations=True)
         with meter, clock:
             loss = loss_of(model(**batch))
             forward_end = meter.mark("forward_end").activation_bytes
-            forward_seconds = clock.seconds
             loss.backward()
         report = meter.report()
-        engine = offload_engine(model)
-        moved = None
-        if engine is not None:
-            moved = OffloadFigures.of(engine, gpu, forward_seconds, clock.seconds - forward_seconds)
+        moved = None if engine is None else OffloadFigures.of(engine, clock)
     row = EstimateRow(
         preset=preset if isinstance(preset, str) else "plan",
         activation_bytes=forward_end,
         step_peak_bytes=report.peak_live_bytes,
         peak_bytes=0,
         flops=clock.flops,
-        seconds=clock.seconds + (moved.exposed_seconds if moved is not None else 0.0),
+        seconds=clock.seconds,  # the copies the compute waits for included
         moved=moved,
     )
     return row, sizes, meter.allocation_trace()
@@ -170,7 +169,7 @@ def preset_row(job: PresetJob, preset: str | RecomputeConfig) -> tuple[EstimateR
             step_peak_bytes=ran.step_peak_bytes,
             peak_bytes=ran.peak_bytes,
             flops=ran.flops,
-            seconds=ran.seconds + (ran.moved.exposed_seconds if ran.moved is not None else 0.0),
+            seconds=ran.seconds,
             moved=ran.moved,
             exposed_comm_seconds=ran.exposed_comm_seconds,
             collective_bytes=ran.collective_bytes,

@@ -55,8 +55,6 @@ from actplan.measure import (
     FakeRun,
     MemoryMeter,
     RooflineClock,
-    accelerator,
-    exposed_copy_seconds,
     replay_allocations,
 )
 from actplan.models import build_for_shape, loss_of
@@ -127,7 +125,7 @@ class RankStep:
 @dataclass(frozen=True)
 class OffloadFigures:
     """What offload moved in one step and what its host tier holds, with the copy time the
-    step's compute cannot hide (at the accelerator's host link; ``exposed_copy_seconds``)."""
+    step's compute waits for (on the roofline clock's copy streams, at the host link)."""
 
     host_bytes: int  # host-tier (pinned) bytes this rank holds: the pool's reserve, or its peak use
     offloaded_bytes: int
@@ -135,17 +133,11 @@ class OffloadFigures:
     exposed_seconds: float
 
     @classmethod
-    def of(
-        cls, engine, gpu: str | Accelerator, forward_seconds: float, backward_seconds: float
-    ) -> OffloadFigures:
-        """``engine``'s figures since its counters were last reset."""
+    def of(cls, engine, clock: RooflineClock) -> OffloadFigures:
+        """``engine``'s figures since its counters were last reset, timed by ``clock``."""
         stats = engine.snapshot()
-        link = accelerator(gpu).host_link_bytes_per_s
-        exposed = exposed_copy_seconds(
-            stats.bytes_offloaded / link, stats.bytes_reloaded / link, forward_seconds, backward_seconds
-        )
         host = max(stats.host_reserved_bytes, stats.host_peak_bytes)
-        return cls(host, stats.bytes_offloaded, stats.bytes_reloaded, exposed)
+        return cls(host, stats.bytes_offloaded, stats.bytes_reloaded, clock.exposed_copies_seconds)
 
 
 @contextlib.contextmanager
@@ -318,7 +310,8 @@ def step_on_mesh(
         meter = MemoryMeter(model, optimizer, trace_allocations=True, follow_fsdp=True)
         clock = RooflineClock(gpu)
         engine = offload_engine(model)
-        forward_seconds = 0.0
+        if engine is not None:
+            engine.time_copies(clock.copy_timer())
         with meter, _collected_between_steps():
             for step in range(STEPS):
                 steady = step == STEPS - 1
@@ -332,11 +325,9 @@ def step_on_mesh(
                     _retire_collectives(mesh)
                     micro_start = meter.live_bytes
                     with clock if steady else contextlib.nullcontext(), loss_context():
-                        started = clock.seconds
                         loss = loss_of(model(**batch)) / training.grad_accum
                         _retire_collectives(mesh)
                         forward_end = meter.mark(f"forward{step}.{micro}").live_bytes
-                        forward_seconds += clock.seconds - started
                         loss.backward()
                     del loss
                 optimizer.step()
@@ -357,9 +348,7 @@ def step_on_mesh(
         seconds=clock.seconds,
         exposed_comm_seconds=clock.exposed_comm_seconds,
         collective_bytes=dict(clock.collective_bytes),
-        moved=None
-        if engine is None
-        else OffloadFigures.of(engine, gpu, forward_seconds, clock.seconds - forward_seconds),
+        moved=None if engine is None else OffloadFigures.of(engine, clock),
     )
 
 

@@ -5,6 +5,7 @@ one line naming the problem."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import re
 from dataclasses import asdict, replace
@@ -18,7 +19,7 @@ from actplan.measure import AllocatorSettings, accelerator
 from actplan.models.shape import Shape, load_shape, shape_from_hf_config, shape_names
 from actplan.planning._rank_step import rank_step
 from actplan.planning._workers import WORKERS_ENV, Workers, default_workers, usable_cores
-from actplan.planning.estimate import TrainingSetup, estimate, preset_step
+from actplan.planning.estimate import FRONTIER_KINDS, TrainingSetup, estimate, preset_step
 
 SMALL = Shape(layers=2, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=128, seq=32, batch=2, dtype="fp32")
 SMALL_MOE = Shape(
@@ -424,6 +425,35 @@ def test_offload_presets_are_stepped_with_their_host_tier_and_copy_time(tmp_path
     assert main(["estimate", *shape, "--presets", "full+offlaod", "--quiet"]) == 2
     printed = capsys.readouterr()
     assert "a preset with offload: full+offload, matmuls+offload" in printed.out + printed.err
+
+
+def test_the_frontier_with_offload_is_never_slower_and_reaches_fewer_activations(tmp_path, capsys):
+    plot = tmp_path / "frontier.png"
+    shape = ["--model", "dense", "--layers", "4", "--hidden", "512", "--heads", "8", "--kv-heads", "4"]
+    shape += ["--ffn", "2048", "--vocab", "4096", "--seq", "2048", "--batch", "2", "--fsdp", "2"]
+    out = tmp_path / "estimate.json"
+    args = ["--presets", "none", "--frontier", "--plot", str(plot), "--json", str(out)]
+    assert main(["estimate", *shape, *args]) == 0
+    printed = capsys.readouterr().out
+    assert "the planner's frontier" in printed and "at most 1.03x" in printed
+    assert plot.stat().st_size > 0
+    frontiers = json.loads(out.read_text())["frontiers"]
+    keep, offload = (frontiers[kind] for kind in FRONTIER_KINDS)
+    for points in (keep, offload):
+        # Least peak first, each faster than every plan below it; none's plan at the top.
+        assert [p["peak_bytes"] for p in points] == sorted(p["peak_bytes"] for p in points)
+        assert all(a["ratio"] > b["ratio"] for a, b in itertools.pairwise(points))
+        assert points[-1]["share_of_none"] == pytest.approx(1.0) and points[-1]["ratio"] == pytest.approx(1.0)
+    assert all(p["host_bytes"] == 0 for p in keep) and any(p["host_bytes"] > 0 for p in offload)
+    assert offload[0]["share_of_none"] < keep[0]["share_of_none"]
+
+    def fastest(points, share):
+        return min((p["ratio"] for p in points if p["share_of_none"] <= share + 1e-9), default=None)
+
+    for point in keep:  # offload's candidates only add choices
+        assert fastest(offload, point["share_of_none"]) <= point["ratio"] * (1 + 1e-9)
+    assert main(["estimate", *shape, "--presets", "none", "--plot", str(plot)]) == 2
+    assert "--plot draws the frontier; give --frontier too" in capsys.readouterr().out
 
 
 def test_cli_names_torchtitans_code_when_it_measured_it(capsys):

@@ -67,6 +67,8 @@ def estimate(args: argparse.Namespace, console: Console) -> int:
         raise ValueError(f"--budget {args.budget!r} is under 1 MiB; write it with a unit, e.g. '80GiB'")
     if args.out and budget is None:
         raise ValueError("--out writes the plan for --budget; give --budget too (e.g. --budget 72GiB)")
+    if args.plot and not args.frontier:
+        raise ValueError("--plot draws the frontier; give --frontier too")
     presets = [name.strip() for name in args.presets.split(",") if name.strip()]
     progress = None if args.quiet else (lambda line: console.print(f"[dim]{line}[/]"))
     result = run_estimate(
@@ -83,9 +85,17 @@ def estimate(args: argparse.Namespace, console: Console) -> int:
         progress=progress,
         workers=default_workers() if args.workers is None else args.workers,
         gpus_per_node=args.gpus_per_node,
+        frontier=args.frontier,
     )
     console.print(estimate_table(result))
     console.print(time_table(result))
+    if result.frontiers:
+        console.print(frontier_table(result))
+        for line in frontier_summary(result):
+            console.print(line)
+        if args.plot:
+            write_frontier_plot(result, args.plot)
+            console.print(f"wrote {args.plot}")
     for note in result.notes:
         console.print(f"note: {note}")
     best = result.recommended
@@ -182,3 +192,67 @@ def time_table(result) -> Table:
             f"{row.mfu:.0%}" if row.mfu is not None else "-",
         )
     return table
+
+
+_SHARES = (1.0, 0.8, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1)
+_MOONSHOT_RATIO = 1.03
+
+
+def _fastest_within(points, share: float):
+    within = [p for p in points if p.share_of_none <= share + 1e-9]
+    return min(within, key=lambda p: p.ratio) if within else None
+
+
+def frontier_table(result) -> Table:
+    """The fastest predicted plan at each share of ``none``'s activations (bytes above parameters
+    and optimizer state), keeping or recomputing only, and with offload too."""
+    table = Table(title="the planner's frontier: fastest plan at each activation budget (predicted)")
+    table.add_column("activations ≤ (of none's)", justify="right")
+    for kind in result.frontiers:
+        table.add_column(f"{kind}: step", justify="right")
+    table.add_column("with offload: host per GPU", justify="right")
+    kinds = list(result.frontiers.values())
+    lowest = min(p.share_of_none for points in kinds for p in points)
+    for share in [*_SHARES, lowest]:
+        if share < lowest - 1e-9:
+            continue
+        best = [_fastest_within(points, share) for points in kinds]
+        cells = [f"{share:.0%}" if share != lowest else f"{share:.0%} (least)"]
+        cells += ["-" if b is None else f"{b.ratio:.3f}x" for b in best]
+        last = best[-1]
+        cells.append("-" if last is None else f"{last.host_bytes / 2**30:,.2f} GiB")
+        table.add_row(*cells)
+    return table
+
+
+def frontier_summary(result) -> list[str]:
+    """For each frontier kind, the least activations any plan predicted at most 1.03x holds."""
+    lines = []
+    for kind, points in result.frontiers.items():
+        fast = [p for p in points if p.ratio <= _MOONSHOT_RATIO]
+        if fast:
+            best = min(fast, key=lambda p: p.share_of_none)
+            lines.append(
+                f"{kind}: at most {_MOONSHOT_RATIO}x, the least activations are {best.share_of_none:.0%} of "
+                f"none's ({best.ratio:.3f}x): {best.plan}"
+            )
+        else:
+            lines.append(f"{kind}: no plan is predicted at {_MOONSHOT_RATIO}x or less")
+    return lines
+
+
+def write_frontier_plot(result, path: str) -> None:
+    """Both frontiers as step curves, peak memory per GPU (MiB) against predicted step time."""
+    from actplan.planning.plot import pareto_axes
+
+    title = f"{result.description}; {result.gpu}, FSDP {result.fsdp}: the planner's frontier"
+    with pareto_axes(path, title) as ax:
+        for kind, points in result.frontiers.items():
+            ax.plot(
+                [p.peak_bytes / 2**20 for p in points],
+                [p.ratio for p in points],
+                "o-",
+                markersize=3,
+                drawstyle="steps-post",
+                label=kind,
+            )

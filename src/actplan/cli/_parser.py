@@ -197,6 +197,13 @@ def _add_estimate(sub) -> None:
         "budgets across the feasible range (up to the --gpu's memory)",
     )
     parser.add_argument("--out", metavar="PATH", help="write the plan for --budget (implies --plan)")
+    parser.add_argument(
+        "--frontier",
+        action="store_true",
+        help="also the planner's frontier: the fastest predicted plan at each activation budget, "
+        "keeping or recomputing only and with offload too",
+    )
+    parser.add_argument("--plot", metavar="PNG", help="with --frontier: draw both frontiers there")
     parser.add_argument("--json", metavar="PATH", help="write the estimate as JSON")
     parser.add_argument(
         "--workers",

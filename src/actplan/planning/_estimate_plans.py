@@ -17,12 +17,32 @@ from actplan.measure import FakeRun
 from actplan.models import build_for_shape
 from actplan.models.shape import DTYPES, Shape
 from actplan.planning.choose import config_for, made_for
-from actplan.planning.planner import BudgetError, minimum_peak, none_peak, solve
+from actplan.planning.planner import BudgetError, minimum_peak, none_peak, pareto_front, plan_summary, solve
 from actplan.planning.profile import ModelProfile, profile_model
 from actplan.progress import PlainLines
 from actplan.sizes import human_bytes
 
-__all__ = ["Planner", "deepened", "default_dtype", "plan_within", "planner_for", "shallow_profile"]
+__all__ = [
+    "FrontierPoint",
+    "Planner",
+    "deepened",
+    "default_dtype",
+    "plan_within",
+    "planner_for",
+    "shallow_profile",
+]
+
+
+@dataclass(frozen=True)
+class FrontierPoint:
+    """One plan of the frontier: the fastest the planner predicts at its peak."""
+
+    peak_bytes: int  # predicted requested bytes of one rank's step
+    above_static_bytes: int  # of which, beyond parameters and optimizer state
+    share_of_none: float  # above_static_bytes against none's
+    ratio: float  # predicted step time against none's
+    host_bytes: int  # what its offloaded candidates move to the host tier, summed
+    plan: str  # its candidates by layer range
 
 
 @contextlib.contextmanager
@@ -99,6 +119,30 @@ class Planner:
         if usable < high:
             high, shares = usable, (1 / 3, 2 / 3, 1.0)
         return [int(low + (high - low) * share) for share in shares]
+
+    def frontier(self, offload: bool) -> list[FrontierPoint]:
+        """Every plan on the front of predicted peak against predicted time, least peak first;
+        without ``offload``, among the candidates that keep or recompute only."""
+        problem = self.problem
+        if not offload:
+            layers = tuple(tuple(c for c in layer if c.offloaded_bytes == 0) for layer in problem.layers)
+            problem = replace(problem, layers=layers)
+        top = (none_peak(problem) or problem.static_bytes) - problem.static_bytes
+        points = []
+        for solution in pareto_front(problem):
+            above = solution.predicted_peak_bytes - problem.static_bytes
+            host = sum(problem.layers[i][c].offloaded_bytes for i, c in enumerate(solution.choices))
+            points.append(
+                FrontierPoint(
+                    peak_bytes=int(solution.predicted_peak_bytes),
+                    above_static_bytes=int(above),
+                    share_of_none=above / top if top > 0 else 1.0,
+                    ratio=solution.predicted_seconds / problem.base_seconds,
+                    host_bytes=int(host),
+                    plan=plan_summary(solution.names),
+                )
+            )
+        return points
 
     def plan(self, budget: int, gpu_budget: int) -> tuple[RecomputeConfig, float, float]:
         """The plan for ``budget`` requested bytes, its ``made_for`` block naming the GPU memory

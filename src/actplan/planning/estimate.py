@@ -56,7 +56,7 @@ from actplan._install.baselines import check_name
 from actplan.config import RecomputeConfig
 from actplan.measure import AllocatorSettings, accelerator
 from actplan.models.shape import Shape
-from actplan.planning._estimate_plans import Planner, plan_within, planner_for, shallow_profile
+from actplan.planning._estimate_plans import FrontierPoint, Planner, plan_within, planner_for, shallow_profile
 from actplan.planning._preset_row import EstimateRow, PresetJob, preset_row, preset_step
 from actplan.planning._rank_step import CUDA_CONTEXT_BYTES, expert_layout_refusal, nccl_bytes
 from actplan.planning._training import DEFAULT_TRAINING, TrainingSetup
@@ -64,7 +64,17 @@ from actplan.planning._workers import Workers
 from actplan.planning.planner import preset_peak
 from actplan.sizes import human_bytes
 
-__all__ = ["EstimateResult", "EstimateRow", "TrainingSetup", "estimate", "preset_step"]
+__all__ = [
+    "FRONTIER_KINDS",
+    "EstimateResult",
+    "EstimateRow",
+    "FrontierPoint",
+    "TrainingSetup",
+    "estimate",
+    "preset_step",
+]
+
+FRONTIER_KINDS = ("keep or recompute", "with offload")
 
 
 @dataclass
@@ -85,6 +95,8 @@ class EstimateResult:
     rows: list[EstimateRow] = field(default_factory=list)
     seconds_taken: float = 0.0
     notes: list[str] = field(default_factory=list)
+    # With ``frontier``: the planner's frontier by kind (``FRONTIER_KINDS``), least peak first.
+    frontiers: dict[str, list[FrontierPoint]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -115,6 +127,7 @@ def estimate(
     progress: Callable[[str], None] | None = None,
     workers: int = 1,
     gpus_per_node: int | None = None,
+    frontier: bool = False,
 ) -> EstimateResult:
     """Each preset's memory per GPU (requested, allocated and reserved) and estimated step
     time at ``shape`` on one rank of the layout (FSDP over ``fsdp``, tensor parallel over
@@ -125,7 +138,9 @@ def estimate(
     (``TrainingSetup``; AdamW, one micro-batch, nothing frozen by default). ``workers`` steps
     the presets in that many processes at once (``_workers.Workers``; the planner's budgets are
     tried side by side too). ``gpus_per_node`` replaces the GPU's (8): groups within a node run
-    their collectives on its GPU link, groups across nodes on the network. See the module doc."""
+    their collectives on its GPU link, groups across nodes on the network. ``frontier`` adds the
+    planner's frontier, with and without offload (``EstimateResult.frontiers``). See the module
+    doc."""
     accel = accelerator(gpu)
     if gpus_per_node is not None:
         if gpus_per_node < 1:
@@ -159,7 +174,8 @@ def estimate(
         )
     if workers < 1:
         raise ValueError(f"--workers must be 1 or more processes, got {workers}")
-    if not presets and not plans:
+    profiles = plans or frontier  # the planner is built for plans and for the frontier
+    if not presets and not profiles:
         raise ValueError("no presets to estimate; name at least one (e.g. none,full)")
     for preset in presets:
         check_name(preset)
@@ -174,16 +190,17 @@ def estimate(
     job = PresetJob(shape, rank_shape, measured, fsdp, tp, ep, accel, settings, training, outside)
     how = f"through parallelize over {fsdp * tp} fake ranks" if measured else "their layers bare"
     # The planner needs `none`'s row (and some row's static bytes), stepped with the presets.
-    names = [*presets, *(["none"] if plans and "none" not in presets else [])]
+    names = [*presets, *(["none"] if profiles and "none" not in presets else [])]
     # One TP rank's share is profiled; a transformers class under TP gathers its logits whole
     # on every rank (its loss is not loss parallel), so its profile keeps the vocabulary.
     profiled = replace(rank_shape, vocab=shape.vocab) if measured and shape.hf_config else rank_shape
     refused: list[str] = []
-    with Workers(min(workers, len(names) + plans)) as pool:
+    frontiers: dict[str, list[FrontierPoint]] = {}
+    with Workers(min(workers, len(names) + profiles)) as pool:
         where = f"in {pool.count} worker processes" if pool.parallel else "one after another"
         say(f"stepping {', '.join(names)} ({how} on fake tensors) {where}")
         profiling = None
-        if plans and pool.parallel:  # the profile needs no row: it runs beside them
+        if profiles and pool.parallel:  # the profile needs no row: it runs beside them
             say("profiling on fake tensors in a worker process, beside them")
             profiling = pool.submit(shallow_profile, profiled, accel.name)
         stepped = pool.run(
@@ -192,12 +209,20 @@ def estimate(
         )
         rows = [row for row, *_ in stepped[: len(presets)]]
         _, sizes, static, gathered = stepped[-1]
-        if plans:
+        if profiles:
             none_row = stepped[names.index("none")][0]
             profile = pool.result(profiling) if profiling else shallow_profile(profiled, accel.name, say)
             planner = planner_for(profile, profiled, accel.name, static + gathered, none_row.seconds)
-            measured = [row for row, *_ in stepped]
-            rows += _plans(planner, pool, job, measured, budget_bytes, accel.memory_bytes, say, refused)
+            if frontier:
+                say("the planner's frontier, with and without offload")
+                keep_or_recompute, with_offload = FRONTIER_KINDS
+                frontiers = {
+                    keep_or_recompute: planner.frontier(offload=False),
+                    with_offload: planner.frontier(offload=True),
+                }
+        if plans:
+            stepped_rows = [row for row, *_ in stepped]
+            rows += _plans(planner, pool, job, stepped_rows, budget_bytes, accel.memory_bytes, say, refused)
     none_row = next((r for r in rows if r.preset == "none"), None)
     peak = accel.fp32_flops if shape.dtype == "fp32" else accel.bf16_flops
     for row in rows:
@@ -298,6 +323,7 @@ def estimate(
         rows=rows,
         seconds_taken=time.perf_counter() - started,
         notes=notes,
+        frontiers=frontiers,
     )
 
 

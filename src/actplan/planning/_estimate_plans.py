@@ -17,7 +17,7 @@ from actplan.measure import FakeRun
 from actplan.models import build_for_shape
 from actplan.models.shape import DTYPES, Shape
 from actplan.planning.choose import config_for, made_for
-from actplan.planning.planner import BudgetError, minimum_peak, none_peak, pareto_front, plan_summary, solve
+from actplan.planning.planner import BudgetError, minimum_peak, none_peak, plan_summary, solve
 from actplan.planning.profile import ModelProfile, profile_model
 from actplan.progress import PlainLines
 from actplan.sizes import human_bytes
@@ -38,6 +38,7 @@ class FrontierPoint:
     """One plan of the frontier: the fastest the planner predicts at its peak."""
 
     peak_bytes: int  # predicted requested bytes of one rank's step
+    budget_bytes: int  # the lowest of the budgets it was the fastest plan for
     above_static_bytes: int  # of which, beyond parameters and optimizer state
     share_of_none: float  # above_static_bytes against none's
     ratio: float  # predicted step time against none's
@@ -120,21 +121,42 @@ class Planner:
             high, shares = usable, (1 / 3, 2 / 3, 1.0)
         return [int(low + (high - low) * share) for share in shares]
 
-    def frontier(self, offload: bool) -> list[FrontierPoint]:
-        """Every plan on the front of predicted peak against predicted time, least peak first;
-        without ``offload``, among the candidates that keep or recompute only."""
+    def frontiers(self, budgets: int = 48) -> tuple[list[FrontierPoint], list[FrontierPoint]]:
+        """The fastest plan at each of ``budgets`` budgets spread evenly from the least any plan
+        peaks at to ``none``'s peak (a deep model's whole front has thousands of plans), among
+        the candidates that keep or recompute, and with offload too; each least peak first,
+        every plan faster than those of lower peaks. Both are solved at the same budgets."""
         problem = self.problem
-        if not offload:
-            layers = tuple(tuple(c for c in layer if c.offloaded_bytes == 0) for layer in problem.layers)
-            problem = replace(problem, layers=layers)
+        layers = tuple(tuple(c for c in layer if c.offloaded_bytes == 0) for layer in problem.layers)
+        kept = replace(problem, layers=layers)
+        low, _ = minimum_peak(problem)
+        high = none_peak(problem) or low
+        grid = [low + (high - low) * k / max(budgets - 1, 1) for k in range(budgets)]
+        return self._front(kept, grid), self._front(problem, grid)
+
+    @staticmethod
+    def _front(problem: Any, grid: list[float]) -> list[FrontierPoint]:
         top = (none_peak(problem) or problem.static_bytes) - problem.static_bytes
+        solutions: dict[tuple[int, ...], Any] = {}
+        for budget in grid:
+            try:
+                solution = solve(problem, budget)
+            except BudgetError:
+                continue  # below what these candidates can reach
+            solutions.setdefault(solution.choices, solution)  # solved at its lowest budget
+        front, fastest = [], float("inf")
+        for solution in sorted(solutions.values(), key=lambda s: s.predicted_peak_bytes):
+            if solution.predicted_seconds < fastest:  # faster than every plan of a lower peak
+                front.append(solution)
+                fastest = solution.predicted_seconds
         points = []
-        for solution in pareto_front(problem):
+        for solution in front:
             above = solution.predicted_peak_bytes - problem.static_bytes
             host = sum(problem.layers[i][c].offloaded_bytes for i, c in enumerate(solution.choices))
             points.append(
                 FrontierPoint(
                     peak_bytes=int(solution.predicted_peak_bytes),
+                    budget_bytes=int(solution.budget_bytes),
                     above_static_bytes=int(above),
                     share_of_none=above / top if top > 0 else 1.0,
                     ratio=solution.predicted_seconds / problem.base_seconds,

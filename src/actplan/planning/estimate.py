@@ -215,11 +215,7 @@ def estimate(
             planner = planner_for(profile, profiled, accel.name, static + gathered, none_row.seconds)
             if frontier:
                 say("the planner's frontier, with and without offload")
-                keep_or_recompute, with_offload = FRONTIER_KINDS
-                frontiers = {
-                    keep_or_recompute: planner.frontier(offload=False),
-                    with_offload: planner.frontier(offload=True),
-                }
+                frontiers = dict(zip(FRONTIER_KINDS, planner.frontiers(), strict=True))
         if plans:
             stepped_rows = [row for row, *_ in stepped]
             rows += _plans(planner, pool, job, stepped_rows, budget_bytes, accel.memory_bytes, say, refused)

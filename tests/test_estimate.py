@@ -437,7 +437,14 @@ def test_the_frontier_with_offload_is_never_slower_and_reaches_fewer_activations
     printed = capsys.readouterr().out
     assert "the planner's frontier" in printed and "at most 1.03x" in printed
     assert plot.stat().st_size > 0
-    frontiers = json.loads(out.read_text())["frontiers"]
+    data = json.loads(out.read_text())
+    frontiers = data["frontiers"]
+    # Each frontier's plan with the least activations at 1.03x or less is stepped: its step is
+    # the check of the prediction the frontier is drawn from.
+    checks = [row for row in data["rows"] if row["preset"].startswith("frontier")]
+    assert checks and all(row["predicted_ratio"] <= 1.03 for row in checks)
+    for row in checks:
+        assert row["ratio_to_none"] == pytest.approx(row["predicted_ratio"], abs=0.03)
     keep, offload = (frontiers[kind] for kind in FRONTIER_KINDS)
     for points in (keep, offload):
         # Least peak first, each faster than every plan below it; none's plan at the top.

@@ -66,6 +66,17 @@ def render(results: dict[str, dict]) -> str:
         lines += ["", "Least activations any plan holds: "]
         lines[-1] += ", ".join(f"{kind} {share:.0%}" for kind, share in least.items()) + "."
         lines += ["", *(f"- {line}" for line in entry["summary"]), ""]
+        if entry.get("checks"):
+            lines += ["Those plans stepped on fake tensors (the check of the prediction):", ""]
+            lines += ["| plan | predicted | stepped | requested peak predicted / stepped | reserved | host |"]
+            lines += ["|---|---:|---:|---:|---:|---:|"]
+            for c in entry["checks"]:
+                lines.append(
+                    f"| {c['plan']} | {c['predicted_ratio']:.3f}x | {c['stepped_ratio']:.3f}x | "
+                    f"{c['predicted_peak_bytes'] / 2**30:.1f} / {c['stepped_peak_bytes'] / 2**30:.1f} GiB | "
+                    f"{c['reserved_peak_bytes'] / 2**30:.1f} GiB | {c['host_bytes'] / 2**30:.2f} GiB |"
+                )
+            lines.append("")
         share, ratio = MOONSHOT
         best = _fastest(fronts[FRONTIER_KINDS[1]], share)
         verdict = (
@@ -94,8 +105,22 @@ def main() -> None:
         )  # fmt: skip
         write_frontier_plot(result, str(RESULTS / f"frontier_{name}.png"))
         layout = " x ".join([f"FSDP {fsdp}"] + [f"TP {tp}"] * (tp > 1) + [f"EP {ep}"] * (ep > 1))
+        checks = [
+            {
+                "plan": row.preset,
+                "predicted_ratio": row.predicted_ratio,
+                "stepped_ratio": row.ratio_to_none,
+                "predicted_peak_bytes": row.predicted_peak_bytes,
+                "stepped_peak_bytes": row.peak_bytes,
+                "reserved_peak_bytes": row.reserved_peak_bytes,
+                "host_bytes": row.moved.host_bytes if row.moved is not None else 0,
+            }
+            for row in result.rows
+            if row.preset.startswith("frontier")
+        ]
         results[name] = {
             "layout": layout,
+            "checks": checks,
             "frontiers": {k: [asdict(p) for p in v] for k, v in result.frontiers.items()},
             "summary": frontier_summary(result),
             "seconds_taken": result.seconds_taken,

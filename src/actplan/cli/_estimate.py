@@ -142,7 +142,7 @@ def estimate_table(result) -> Table:
     if offloads:
         headers += ["host (pinned)"]
     headers += ["est. step", "vs none"]
-    plans = bool(result.plans)
+    plans = any(row.predicted_peak_bytes is not None for row in result.rows)
     if plans:
         headers += ["planner predicted"]
     headers += ["fits"]
@@ -195,7 +195,6 @@ def time_table(result) -> Table:
 
 
 _SHARES = (1.0, 0.8, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1)
-_MOONSHOT_RATIO = 1.03
 
 
 def _fastest_within(points, share: float):
@@ -227,17 +226,19 @@ def frontier_table(result) -> Table:
 
 def frontier_summary(result) -> list[str]:
     """For each frontier kind, the least activations any plan predicted at most 1.03x holds."""
+    from actplan.planning.estimate import FRONTIER_RATIO
+
     lines = []
     for kind, points in result.frontiers.items():
-        fast = [p for p in points if p.ratio <= _MOONSHOT_RATIO]
+        fast = [p for p in points if p.ratio <= FRONTIER_RATIO]
         if fast:
             best = min(fast, key=lambda p: p.share_of_none)
             lines.append(
-                f"{kind}: at most {_MOONSHOT_RATIO}x, the least activations are {best.share_of_none:.0%} of "
+                f"{kind}: at most {FRONTIER_RATIO}x, the least activations are {best.share_of_none:.0%} of "
                 f"none's ({best.ratio:.3f}x): {best.plan}"
             )
         else:
-            lines.append(f"{kind}: no plan is predicted at {_MOONSHOT_RATIO}x or less")
+            lines.append(f"{kind}: no plan is predicted at {FRONTIER_RATIO}x or less")
     return lines
 
 

@@ -44,6 +44,7 @@ class FrontierPoint:
     ratio: float  # predicted step time against none's
     host_bytes: int  # what its offloaded candidates move to the host tier, summed
     plan: str  # its candidates by layer range
+    choices: tuple[int, ...]  # per layer, the index of its candidate in the planner's problem
 
 
 @contextlib.contextmanager
@@ -134,8 +135,7 @@ class Planner:
         grid = [low + (high - low) * k / max(budgets - 1, 1) for k in range(budgets)]
         return self._front(kept, grid), self._front(problem, grid)
 
-    @staticmethod
-    def _front(problem: Any, grid: list[float]) -> list[FrontierPoint]:
+    def _front(self, problem: Any, grid: list[float]) -> list[FrontierPoint]:
         top = (none_peak(problem) or problem.static_bytes) - problem.static_bytes
         solutions: dict[tuple[int, ...], Any] = {}
         for budget in grid:
@@ -162,9 +162,24 @@ class Planner:
                     ratio=solution.predicted_seconds / problem.base_seconds,
                     host_bytes=int(host),
                     plan=plan_summary(solution.names),
+                    choices=self._in_full(problem, solution.choices),
                 )
             )
         return points
+
+    def _in_full(self, problem: Any, choices: tuple[int, ...]) -> tuple[int, ...]:
+        """``choices`` in ``problem`` (a subset of the planner's candidates) as indices among all
+        of each layer's candidates."""
+        full = self.problem.layers
+        return tuple(
+            next(k for k, c in enumerate(full[i]) if c is problem.layers[i][choice])
+            for i, choice in enumerate(choices)
+        )
+
+    def config_of(self, point: FrontierPoint, gpu_budget: int) -> RecomputeConfig:
+        """The plan of a frontier point, its ``made_for`` block naming ``gpu_budget``."""
+        budget_block = {"budget": human_bytes(gpu_budget), "budget_bytes": gpu_budget, "budget_of": "gpu"}
+        return config_for(self.profile, point.choices, {**self.made_for, **budget_block})
 
     def plan(self, budget: int, gpu_budget: int) -> tuple[RecomputeConfig, float, float]:
         """The plan for ``budget`` requested bytes, its ``made_for`` block naming the GPU memory

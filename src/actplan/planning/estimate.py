@@ -66,6 +66,7 @@ from actplan.sizes import human_bytes
 
 __all__ = [
     "FRONTIER_KINDS",
+    "FRONTIER_RATIO",
     "EstimateResult",
     "EstimateRow",
     "FrontierPoint",
@@ -75,6 +76,8 @@ __all__ = [
 ]
 
 FRONTIER_KINDS = ("keep or recompute", "with offload")
+FRONTIER_RATIO = 1.03
+"""Each frontier's plan holding the least activations at this step-time ratio or less is stepped."""
 
 
 @dataclass
@@ -216,6 +219,7 @@ def estimate(
             if frontier:
                 say("the planner's frontier, with and without offload")
                 frontiers = dict(zip(FRONTIER_KINDS, planner.frontiers(), strict=True))
+                rows += _frontier_checks(planner, frontiers, pool, job, accel.memory_bytes, say)
         if plans:
             stepped_rows = [row for row, *_ in stepped]
             rows += _plans(planner, pool, job, stepped_rows, budget_bytes, accel.memory_bytes, say, refused)
@@ -321,6 +325,41 @@ def estimate(
         notes=notes,
         frontiers=frontiers,
     )
+
+
+def _frontier_checks(
+    planner: Planner,
+    frontiers: dict[str, list[FrontierPoint]],
+    pool: Workers,
+    job: PresetJob,
+    memory_bytes: int,
+    say: Callable[[str], None],
+) -> list[EstimateRow]:
+    """Each frontier's plan holding the least activations at ``FRONTIER_RATIO`` or less, stepped
+    like a preset: the check of the planner's predictions the frontier is drawn from."""
+    picked: list[tuple[str, FrontierPoint]] = []
+    for kind, points in frontiers.items():
+        fast = [p for p in points if p.ratio <= FRONTIER_RATIO]
+        if not fast:
+            continue
+        point = min(fast, key=lambda p: p.share_of_none)
+        same = [i for i, (_, other) in enumerate(picked) if other.choices == point.choices]
+        if same:  # offload bought nothing here: one plan, one step
+            picked[same[0]] = ("keep or recompute, and with offload", point)
+        else:
+            picked.append((kind, point))
+    if not picked:
+        return []
+    say(f"stepping the frontier's plans at {FRONTIER_RATIO}x: {', '.join(kind for kind, _ in picked)}")
+    configs = [planner.config_of(point, int(memory_bytes)) for _, point in picked]
+    stepped = pool.run([(preset_row, (job, config), {}) for config in configs])
+    rows = []
+    for (kind, point), (row, *_) in zip(picked, stepped, strict=True):
+        row.preset = f"frontier {kind}, {point.share_of_none:.0%} @ {point.ratio:.3f}x"
+        row.predicted_peak_bytes = point.peak_bytes
+        row.predicted_ratio = point.ratio
+        rows.append(row)
+    return rows
 
 
 def _plans(

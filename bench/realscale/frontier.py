@@ -121,7 +121,11 @@ def main() -> None:
         results[name] = {
             "layout": layout,
             "checks": checks,
-            "frontiers": {k: [asdict(p) for p in v] for k, v in result.frontiers.items()},
+            # The plans by layer range; the candidate indices behind them stay out (the profile's).
+            "frontiers": {
+                k: [{f: x for f, x in asdict(p).items() if f != "choices"} for p in v]
+                for k, v in result.frontiers.items()
+            },
             "summary": frontier_summary(result),
             "seconds_taken": result.seconds_taken,
         }

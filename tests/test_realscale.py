@@ -52,5 +52,8 @@ def test_the_committed_real_scale_table_renders_from_its_json_and_its_plans_hold
             assert plan["fits"] and held <= plan["budget_bytes"], (name, plan["preset"])
             if "formula" in result["method"]:
                 assert abs(plan["predicted_peak_bytes"] - plan["peak_bytes"]) <= 0.02 * plan["peak_bytes"]
-            assert rows["full"]["reserved_peak_bytes"] <= plan["reserved_peak_bytes"]
+            if plan["moved"] is None:  # keeping and recomputing only: never below `full`
+                assert rows["full"]["reserved_peak_bytes"] <= plan["reserved_peak_bytes"]
+            else:  # offload can go below it, with what it pins on the host
+                assert plan["moved"]["host_bytes"] >= plan["moved"]["offloaded_bytes"] > 0
             assert plan["reserved_peak_bytes"] <= rows["none"]["reserved_peak_bytes"]

@@ -8,6 +8,7 @@ import contextlib
 import itertools
 import json
 import re
+import warnings
 from dataclasses import asdict, replace
 
 import pytest
@@ -370,6 +371,19 @@ def test_workers_return_results_in_order_and_raise_a_workers_error(count):
         assert workers.submit(divmod, 7, 2).result() == (3, 1)
         with pytest.raises(ValueError, match="invalid literal for int"):
             workers.run([(pow, (2, 3), {}), (int, ("eight",), {})])
+
+
+def _warns_and_returns(value: int) -> int:
+    warnings.warn(f"worker warning {value}", UserWarning, stacklevel=1)
+    return value
+
+
+def test_a_workers_warnings_are_warned_here_at_the_callers_line():
+    # A worker process's warning would print at the pool's own line, in the worker; it is
+    # warned again where its result is taken, at the line that asked for it.
+    with Workers(2) as workers, pytest.warns(UserWarning, match="worker warning 3") as caught:
+        assert workers.run([(_warns_and_returns, (3,), {})]) == [3]
+    assert [w.filename for w in caught] == [__file__]
 
 
 def test_the_default_workers_come_from_the_environment_or_the_cores(monkeypatch):

@@ -6,11 +6,13 @@ next preset's. ``Workers`` hands such calls to worker processes, started with ``
 fresh interpreter: no inherited torch threads or process group; each imports torch once, and
 the pool lives as long as the ``with`` block, so that import is paid once per worker). With one
 worker there is no pool: each call runs here, when it is submitted. A worker's error is raised
-here as it was raised there; on the way out the calls not yet started are dropped.
+here as it was raised there, and its warnings are warned again here when its result is taken
+(``Workers.result``), at the user's line, not at the pool's; on the way out the calls not yet
+started are dropped.
 
 ``default_workers`` is what ``actplan estimate --workers`` defaults to: the ``ACTPLAN_WORKERS``
 environment variable when set (the test suite sets it to 1, as its own workers share the
-cores), else the cores this process may run on. Imports nothing from actplan.
+cores), else the cores this process may run on. Imports ``actplan._callsite`` only.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
+
+from actplan._callsite import warn
 
 __all__ = ["WORKERS_ENV", "Workers", "default_workers", "usable_cores"]
 
@@ -49,6 +53,28 @@ def default_workers() -> int:
     if workers < 1:
         raise ValueError(f"{WORKERS_ENV}={value!r} must be a whole number of processes, 1 or more")
     return workers
+
+
+def _warning_capturing(fn: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[Any, list]:
+    """``fn(*args, **kwargs)`` in a worker, with the warnings it raised (message, category)."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        value = fn(*args, **kwargs)
+    return value, [(str(w.message), w.category) for w in caught]
+
+
+def _settle(outer: Future, inner: Future) -> None:
+    # The worker's value becomes ``outer``'s result; its warnings wait on ``outer`` for
+    # ``Workers.result`` to warn again here.
+    if inner.cancelled():
+        outer.cancel()
+    elif inner.exception() is not None:
+        outer.set_exception(inner.exception())
+    else:
+        value, outer.caught = inner.result()
+        outer.set_result(value)
 
 
 def _start_worker() -> None:
@@ -97,7 +123,10 @@ class Workers:
     def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future:
         """``fn(*args, **kwargs)`` in a worker; without workers, run now. Its ``Future``."""
         if self._pool is not None:
-            return self._pool.submit(fn, *args, **kwargs)
+            outer: Future = Future()
+            inner = self._pool.submit(_warning_capturing, fn, args, kwargs)
+            inner.add_done_callback(lambda done: _settle(outer, done))
+            return outer
         future: Future = Future()
         try:
             future.set_result(fn(*args, **kwargs))
@@ -107,9 +136,14 @@ class Workers:
 
     @staticmethod
     def result(future: Future) -> Any:
-        """A submitted call's result, or its error; a worker that died says what to check."""
+        """A submitted call's result, or its error; a worker that died says what to check. The
+        warnings a worker raised are warned here, once."""
         try:
-            return future.result()
+            value = future.result()
+            for message, category in getattr(future, "caught", ()):
+                warn(message, category)
+            future.caught = []
+            return value
         except BrokenProcessPool as error:
             raise RuntimeError(
                 "a worker process stopped before returning (out of memory, killed, or a script that "

@@ -45,6 +45,7 @@ class Moved:
         "copy_out",
         "device",
         "engine",
+        "fake_mode",
         "host",
         "mutated",
         "nbytes",
@@ -60,7 +61,8 @@ class Moved:
         # A fake run (an estimate) moves fake tensors: its host buffers are fake (counted by the
         # pool, never allocated) and its copies move no values (``ShapeOnlyCopies``), each done
         # at once for memory, as a CPU copy is; a clock may still time them.
-        fake_mode = source.fake_mode if isinstance(source, FakeTensor) else None
+        self.fake_mode = source.fake_mode if isinstance(source, FakeTensor) else None
+        fake_mode = self.fake_mode
         self.copies = engine.copies_for(source.device, fake=fake_mode is not None)
         self.host: HostBuffer | None = engine.pool.acquire(nbytes, fake_mode)
         if fake_mode is None:
@@ -101,7 +103,7 @@ class Moved:
             target = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
             # The copy itself is the back-end's, not the compute stream's: no mode sees it (a
             # fake run's copy runs under its fake mode alone), as with the copy-out.
-            fake_mode = target.fake_mode if isinstance(target, FakeTensor) else None
+            fake_mode = self.fake_mode
             with _disable_current_modes(), contextlib.nullcontext() if fake_mode is None else fake_mode:
                 self.copy_in = self.copies.copy_in(self.host.tensor[: self.nbytes], target, self.copy_out)
             self.reloaded = target
@@ -164,7 +166,7 @@ class Handle:
                 "or do not offload this layer."
             )
         moved.copies.use(moved.copy_in)
-        if isinstance(moved.reloaded, FakeTensor):
+        if moved.fake_mode is not None:
             # The same tensor by views (a fake reload is always the flat bytes it allocated):
             # torch's fake-tensor dispatch cache keeps the storage argument of ``set_`` alive,
             # which would hold every reloaded storage to the end of the run.

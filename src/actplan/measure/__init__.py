@@ -44,7 +44,6 @@ from actplan.measure._roofline import (
     Accelerator,
     RooflineClock,
     accelerator,
-    exposed_copy_seconds,
 )
 from actplan.measure._timing import RatioStats, TimingStats, interleaved_timing, ratio
 
@@ -75,7 +74,6 @@ __all__ = [
     "capture_step",
     "compare_steps",
     "copy_module",
-    "exposed_copy_seconds",
     "grad_census",
     "interleaved_timing",
     "is_fake",

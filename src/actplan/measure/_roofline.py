@@ -26,7 +26,7 @@ from actplan._storage import storage_key
 from actplan._torch_internals import DEVICE_QUERY, TorchDispatchMode, collective_call, op_schema, tree_flatten
 from actplan.measure._collectives import Collective, Streams, collective_seconds, spans_nodes
 
-__all__ = ["ACCELERATORS", "Accelerator", "RooflineClock", "accelerator", "exposed_copy_seconds", "op_flops"]
+__all__ = ["ACCELERATORS", "Accelerator", "RooflineClock", "accelerator", "op_flops"]
 
 
 @dataclass(frozen=True)
@@ -114,15 +114,6 @@ def accelerator(name: str | Accelerator) -> Accelerator:
     if found is None:
         raise ValueError(f"unknown accelerator {name!r}; known: {', '.join(ACCELERATORS)}")
     return found
-
-
-def exposed_copy_seconds(
-    out_seconds: float, in_seconds: float, forward_seconds: float, backward_seconds: float
-) -> float:
-    """The copy time offload adds to a stretch of compute its copies run beside: copies out
-    hide behind its forward, reloads behind its backward, as far as each lasts (the planner
-    charges a candidate layer so; a stepped row's copies are timed on ``Streams``)."""
-    return max(out_seconds - forward_seconds, 0.0) + max(in_seconds - backward_seconds, 0.0)
 
 
 def _cpu_flash_forward(query, key, value, *args, out_val=None, **kwargs) -> int:
@@ -227,11 +218,11 @@ class RooflineClock(TorchDispatchMode):
         self.accelerator = (
             accelerator(accelerator_name) if isinstance(accelerator_name, str) else accelerator_name
         )
+        self.running = 0  # blocks entered and not yet left (the copy timer times only then)
         self.reset()
 
     def reset(self) -> None:
         """Zero the totals."""
-        self.running = getattr(self, "running", 0)  # blocks entered and not yet left
         self.streams = Streams()
         self.flops = 0
         self.bytes_moved = 0

@@ -16,7 +16,7 @@ from actplan._engine.offload import quiet_empty_offload
 from actplan._install.apply import interval_map_of
 from actplan.config import PRESETS
 from actplan.config._presets import preset_kept_units
-from actplan.measure import RooflineClock, exposed_copy_seconds
+from actplan.measure import RooflineClock
 from actplan.planning._isolated import IsolatedLayer
 from actplan.planning._records import CandidateProfile
 
@@ -38,8 +38,9 @@ def _exposed_seconds(candidate: CandidateProfile, bandwidth: dict[str, float], o
     back = candidate.offloaded_bytes / bandwidth["host_to_device"]
     if not overlap:
         return out + back  # synchronous copies: all of it shows
-    # Copies overlap the layer's own compute: forward about a third of it, backward the rest.
-    return exposed_copy_seconds(out, back, candidate.layer_seconds / 3, 2 * candidate.layer_seconds / 3)
+    # Copies overlap the layer's own compute: copies out its forward, about a third of it;
+    # reloads its backward, the rest (a stepped row's copies are timed on the clock's streams).
+    return max(out - candidate.layer_seconds / 3, 0.0) + max(back - 2 * candidate.layer_seconds / 3, 0.0)
 
 
 class _Candidates:

@@ -176,19 +176,18 @@ class Planner:
             for i, choice in enumerate(choices)
         )
 
-    def config_of(self, point: FrontierPoint, gpu_budget: int) -> RecomputeConfig:
-        """The plan of a frontier point, its ``made_for`` block naming ``gpu_budget``."""
+    def config_of(self, choices: tuple[int, ...], gpu_budget: int) -> RecomputeConfig:
+        """The plan of ``choices`` (indices into each layer's candidates), its ``made_for``
+        block naming the GPU memory ``gpu_budget`` it is meant to fit."""
         budget_block = {"budget": human_bytes(gpu_budget), "budget_bytes": gpu_budget, "budget_of": "gpu"}
-        return config_for(self.profile, point.choices, {**self.made_for, **budget_block})
+        return config_for(self.profile, choices, {**self.made_for, **budget_block})
 
     def plan(self, budget: int, gpu_budget: int) -> tuple[RecomputeConfig, float, float]:
         """The plan for ``budget`` requested bytes, its ``made_for`` block naming the GPU memory
         ``gpu_budget`` it is meant to fit."""
         solution = solve(self.problem, budget)  # BudgetError names the feasible range
         ratio = solution.predicted_seconds / self.problem.base_seconds
-        budget_block = {"budget": human_bytes(gpu_budget), "budget_bytes": gpu_budget, "budget_of": "gpu"}
-        header = {**self.made_for, **budget_block}
-        return config_for(self.profile, solution.choices, header), solution.predicted_peak_bytes, ratio
+        return self.config_of(solution.choices, gpu_budget), solution.predicted_peak_bytes, ratio
 
 
 def shallow_profile(shape: Shape, gpu: str, say: Callable[[str], None] | None = None) -> ModelProfile:

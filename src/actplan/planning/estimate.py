@@ -351,7 +351,7 @@ def _frontier_checks(
     if not picked:
         return []
     say(f"stepping the frontier's plans at {FRONTIER_RATIO}x: {', '.join(kind for kind, _ in picked)}")
-    configs = [planner.config_of(point, int(memory_bytes)) for _, point in picked]
+    configs = [planner.config_of(point.choices, int(memory_bytes)) for _, point in picked]
     stepped = pool.run([(preset_row, (job, config), {}) for config in configs])
     rows = []
     for (kind, point), (row, *_) in zip(picked, stepped, strict=True):

@@ -17,7 +17,7 @@ def brute_force(problem: PlanProblem, budget_bytes: float) -> tuple[float, tuple
     """Enumerate every choice (small problems only): the least time under the budget, or None."""
     best: tuple[float, tuple[int, ...]] | None = None
     for choices in itertools.product(*(range(len(c)) for c in problem.layers)):
-        if problem.peak(choices) <= budget_bytes:
+        if problem.peak(choices) <= budget_bytes and problem.host_fits(choices):
             seconds = problem.seconds(choices)
             if best is None or seconds < best[0] - 1e-12:
                 best = (seconds, choices)

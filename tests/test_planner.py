@@ -20,6 +20,7 @@ from actplan.planning.planner import (
     PlanProblem,
     Solution,
     front_table,
+    least_host_bytes,
     minimum_peak,
     none_peak,
     pareto_front,
@@ -163,6 +164,92 @@ def _assert_milp_optimum(problem: PlanProblem, slack: float) -> None:
     for solution in _solved_both_ways(problem, budget):
         assert solution.predicted_seconds == pytest.approx(problem.seconds(milp), abs=1e-9)
         assert solution.predicted_peak_bytes <= budget * (1 + 1e-6) + 1
+
+
+def _with_host_budget(problem: PlanProblem, share: float) -> PlanProblem:
+    """``problem`` with a host budget ``share`` of the way from the least any plan offloads to
+    the most."""
+    least = least_host_bytes(problem)
+    most = sum(max(c.offloaded_bytes for c in cs) for cs in problem.layers)
+    return replace(problem, host_budget_bytes=least + (most - least) * share)
+
+
+def _least_peak_within_host(problem: PlanProblem) -> float:
+    return min(
+        problem.peak(c)
+        for c in itertools.product(*(range(len(cs)) for cs in problem.layers))
+        if problem.host_fits(c)
+    )
+
+
+@settings(max_examples=80, deadline=None)
+@given(problem=problems(), share=st.floats(0.0, 1.0), slack=st.floats(0.0, 1.5))
+def test_a_host_budget_is_kept_and_the_solver_matches_brute_force(problem, share, slack):
+    problem = _with_host_budget(problem, share)
+    lowest, choices = minimum_peak(problem)
+    assert problem.host_fits(choices)
+    assert lowest == pytest.approx(_least_peak_within_host(problem), rel=1e-12)
+    budget = lowest * (1 + slack)
+    expected = brute_force(problem, budget)
+    assert expected is not None
+    for solution in _solved_both_ways(problem, budget):
+        assert solution.predicted_seconds == pytest.approx(expected[0], abs=1e-9)
+        assert problem.host_fits(solution.choices)
+
+
+@settings(max_examples=60, deadline=None)
+@given(problem=problems(), share=st.floats(0.0, 1.0), slack=st.floats(0.0, 1.5))
+def test_the_priced_search_alone_is_within_its_gap(problem, share, slack):
+    """Where the exact walks give up (forced here), the priced search's plan fits both budgets
+    and is no more than its stated gap slower than the fastest plan."""
+    problem = _with_host_budget(problem, share)
+    budget = minimum_peak(problem)[0] * (1 + slack)
+    expected = brute_force(problem, budget)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_frontier, "HOSTED_LIMIT", 0)
+        solution = solve(problem, budget)
+    assert problem.host_fits(solution.choices)
+    assert solution.predicted_peak_bytes <= budget * (1 + 1e-6) + 1
+    assert solution.gap_seconds >= 0
+    assert (
+        solution.predicted_seconds - solution.gap_seconds
+        <= expected[0] + 1e-9
+        <= solution.predicted_seconds + 2e-9
+    )
+
+
+@settings(max_examples=40, deadline=None)
+@given(problem=stacks(), share=st.floats(0.0, 1.0), slack=st.floats(0.0, 1.0))
+def test_a_host_budget_on_long_stacks_gets_the_milp_optimum(problem, share, slack):
+    problem = _with_host_budget(problem, share)
+    _assert_milp_optimum(problem, slack)
+    assert problem.host_fits(minimum_peak(problem)[1])
+
+
+def test_a_host_budget_below_every_plan_names_the_least_it_needs():
+    moved = (Candidate("full+offload", 1 * MIB, 0, 0.0, offloaded_bytes=8 * MIB),)
+    problem = PlanProblem(layers=(moved, moved), static_bytes=0, base_seconds=1.0, host_budget_bytes=10 * MIB)
+    with pytest.raises(BudgetError, match=r"host budget of 10\.0 MiB.*offloads least moves 16\.0 MiB"):
+        minimum_peak(problem)
+    with pytest.raises(ValueError, match="host_budget_bytes is -1"):
+        replace(problem, host_budget_bytes=-1)
+
+
+def test_a_host_budget_trades_offload_for_recompute():
+    layer = (
+        Candidate("full", 1 * MIB, 4 * MIB, 0.3),
+        Candidate("matmuls+offload", 1 * MIB, 4 * MIB, 0.05, offloaded_bytes=30 * MIB),
+        Candidate("none", 40 * MIB, 0, 0.0),
+    )
+    problem = PlanProblem(layers=(layer,) * 4, static_bytes=0, base_seconds=1.0)
+    free = solve(problem, 20 * MIB)
+    assert free.names == ("matmuls+offload",) * 4
+    capped = solve(replace(problem, host_budget_bytes=70 * MIB), 20 * MIB)
+    assert sorted(capped.names) == ["full", "full", "matmuls+offload", "matmuls+offload"]
+    with pytest.raises(
+        BudgetError, match=r"with at most 70\.0 MiB offloaded to the host.*raise the host budget"
+    ):
+        solve(replace(problem, host_budget_bytes=70 * MIB), 5 * MIB)
 
 
 def _room_before(problem: PlanProblem, budget: float, first: int, tail: tuple[int, ...]) -> float:

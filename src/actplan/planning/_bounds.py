@@ -48,6 +48,12 @@ class Costs:
         self.fixed = np.array([base + problem.other_grad_bytes + a for a in after])
         self.start_phase = base + problem.nonlayer_bytes + problem.head_transient_bytes
         self.optimizer_phase = problem.optimizer_phase_bytes
+        # The host budget (with a hair of slack for rounding), and whether the walks must carry
+        # each partial plan's offloaded total: only when some plan could break it.
+        host = problem.host_budget_bytes
+        self.host_cap = np.inf if host is None else host * (1 + 1e-9) + 1
+        most_moved = sum(float(col[:, 3].max()) for col in columns)
+        self.hosted = bool(most_moved > self.host_cap)
         least = np.array([col[:, 0].min() for col in columns])
         self.least_prefix = np.r_[0.0, np.cumsum(least)]  # [j]: least retained by layers 0..j-1
         self.least_suffix = np.r_[np.cumsum(least[::-1])[::-1], 0.0]  # [j]: by layers j..n-1

@@ -18,8 +18,11 @@ from actplan.planning._bounds import Bounds, Costs
 if TYPE_CHECKING:
     from actplan.planning._records import Candidate, PlanProblem
 
-# The frontier solver gives up (and the MILP answers) past this many states in one layer.
+# The frontier solver gives up (and the MILP answers) past this many states in one layer;
+# under a host budget that binds, past fewer: partial plans then differ in their offloaded
+# totals too, a third dimension whose frontiers grow fast on deep stacks, where HiGHS is quicker.
 FRONTIER_LIMIT = 400_000
+HOSTED_LIMIT = 100_000
 # States the beam pass keeps besides each tail's least-bytes one: it finds a plan that fits,
 # the first one to beat.
 THIN = 64
@@ -108,13 +111,18 @@ def _beaten_across(
     ``score`` (each group a staircase: rising ``worse``, falling ``score``). The groups of least
     key sum are tried as beaters, at most ``BEATERS`` of them (fewer only finds fewer)."""
     run = np.repeat(np.arange(len(starts)), ends - starts)
-    # below[h, g]: group g's keys are no smaller than h's anywhere.
-    below = (group_keys[:, None, :] <= group_keys[None, :, :]).all(axis=2)
-    np.fill_diagonal(below, False)
     beaten = np.zeros(len(group), dtype=bool)
-    beaters = [h for h in np.argsort(group_keys.sum(axis=1), kind="stable").tolist() if below[h].any()]
-    for h in beaters[:BEATERS]:
-        target = np.flatnonzero(below[h][run])
+    tried = 0
+    for h in np.argsort(group_keys.sum(axis=1), kind="stable").tolist():
+        # below: the groups whose keys are no smaller than h's anywhere.
+        below = (group_keys[h] <= group_keys).all(axis=1)
+        below[h] = False
+        if not below.any():
+            continue
+        tried += 1
+        if tried > BEATERS:
+            break
+        target = np.flatnonzero(below[run])
         stair_worse, stair_score = worse[starts[h] : ends[h]], score[starts[h] : ends[h]]
         at = np.searchsorted(stair_worse, worse[target], side="right") - 1
         beaten[target] |= (at >= 0) & (stair_score[np.maximum(at, 0)] <= score[target])
@@ -125,15 +133,17 @@ class _Forward:
     """Partial plans of layers ``0..last``, as the forward walk keeps them: per state the retained
     bytes ``prefix``, the objective ``score`` (seconds, or with no budget the largest phase so far)
     and ``keys``, the offloaded bytes of its last 1..depth layers summed (``keys[:, m-1]``: the
-    last ``m``), which is all later phases see of its tail; per layer each state's parent and pick.
+    last ``m``), which is all later phases see of its tail; under a host budget that binds,
+    ``hosted``, its offloaded bytes over all its layers; per layer each state's parent and pick.
     """
 
-    def __init__(self, costs: Costs, budget: float | None) -> None:
-        self.costs, self.budget = costs, budget
+    def __init__(self, costs: Costs, budget: float | None, priced: Priced | None = None) -> None:
+        self.costs, self.budget, self.priced = costs, budget, priced
         self.last = -1
         self.prefix = np.zeros(1)
         self.score = np.full(1, -np.inf) if budget is None else np.zeros(1)
         self.keys = np.zeros((1, costs.depth))
+        self.hosted = np.zeros(1)
         self.parents: list[np.ndarray] = []
         self.picks: list[np.ndarray] = []
         self.thinned = False  # whether ``thin`` ever dropped a state: the walk is exact if not
@@ -149,30 +159,38 @@ class _Forward:
         reloaded = np.repeat(self.keys[:, -1], k) if costs.depth else 0.0
         phase = costs.fixed[i] + prefix + np.tile(transient, n) + reloaded
         potential = None
+        hosted = (self.hosted[:, None] + offloaded).ravel()
         if self.budget is None:
             score = np.maximum(np.repeat(self.score, k), phase)
-            kept = np.arange(n * k)
+            kept = np.flatnonzero(hosted <= costs.host_cap)
         else:
             score = (self.score[:, None] + seconds).ravel()
             if bounds is None:
                 raise RuntimeError("internal error: a walk under a budget has no bounds; please report it")
-            kept = np.flatnonzero((phase <= self.budget) & (prefix <= bounds.cap[i]))
+            kept = np.flatnonzero(
+                (phase <= self.budget) & (prefix <= bounds.cap[i]) & (hosted <= costs.host_cap)
+            )
             potential = score[kept] + bounds.after(i, prefix[kept])
+            if self.priced is not None:
+                potential = np.maximum(
+                    potential, self.priced.after(i, prefix[kept], score[kept], hosted[kept])
+                )
             fits = potential <= target
             kept, potential = kept[fits], potential[fits]
         keys = np.empty((len(kept), costs.depth))
         if costs.depth:
             keys[:, 0] = offloaded[kept % k]
             keys[:, 1:] = self.keys[kept // k, :-1] + keys[:, :1]
-        survive, group = _pareto(keys, prefix[kept], score[kept])
+        survive, group = _pareto(_with_hosted(costs, keys, hosted[kept]), prefix[kept], score[kept])
         if thin is not None and potential is not None and len(survive) > thin:
             kept_before = len(survive)
             survive = _thinned(survive, group, potential, thin)
             self.thinned |= len(survive) < kept_before
         chosen = kept[survive]
-        if len(chosen) > FRONTIER_LIMIT:
+        if len(chosen) > (HOSTED_LIMIT if costs.hosted else FRONTIER_LIMIT):
             raise _FrontierTooLarge(f"{len(chosen)} states at layer {i}")
         self.prefix, self.score, self.keys = prefix[chosen], score[chosen], keys[survive]
+        self.hosted = hosted[chosen]
         self.parents.append(chosen // k)
         self.picks.append(chosen % k)
         self.last = i
@@ -181,6 +199,12 @@ class _Forward:
     def trace(self, state: int) -> list[int]:
         """The choices of layers ``0..last`` that lead to ``state``."""
         return _walk_back(self.parents, self.picks, state)[::-1]
+
+
+def _with_hosted(costs: Costs, keys: np.ndarray, hosted: np.ndarray) -> np.ndarray:
+    """``keys`` with the offloaded totals as one more column when a host budget binds: a
+    partial plan is then dominated only by one that moved no more to the host."""
+    return np.column_stack((keys, hosted)) if costs.hosted else keys
 
 
 def _walk_back(parents: list[np.ndarray], picks: list[np.ndarray], state: int) -> list[int]:
@@ -208,13 +232,14 @@ class _Backward:
     for every phase it fixes to fit) and ``heads``: for each phase of layers ``first..first+depth-1``,
     what those bytes plus the offloaded bytes reloaded into it from before ``first`` may come to."""
 
-    def __init__(self, costs: Costs, budget: float) -> None:
-        self.costs, self.budget = costs, budget
+    def __init__(self, costs: Costs, budget: float, priced: Priced | None = None) -> None:
+        self.costs, self.budget, self.priced = costs, budget, priced
         self.first = costs.layers
         self.cap = np.array([budget - costs.start_phase])
         self.heads = np.full((1, costs.depth), np.inf)
         self.score = np.zeros(1)
         self.retained = np.zeros(1)
+        self.hosted = np.zeros(1)
         self.parents: list[np.ndarray] = []
         self.picks: list[np.ndarray] = []
 
@@ -237,15 +262,19 @@ class _Backward:
         else:
             cap = room = np.minimum(cap, own)
         score = (self.score[:, None] + seconds).ravel()
-        kept = np.flatnonzero(room >= costs.least_prefix[j])
+        hosted = (self.hosted[:, None] + offloaded).ravel()
+        kept = np.flatnonzero((room >= costs.least_prefix[j]) & (hosted <= costs.host_cap))
         potential = score[kept] + bounds.before(j, room[kept])
+        if self.priced is not None:
+            potential = np.maximum(potential, self.priced.before(j, room[kept], score[kept], hosted[kept]))
         kept = kept[potential <= target]
-        survive, _ = _pareto(-heads[kept], -cap[kept], score[kept])
+        survive, _ = _pareto(_with_hosted(costs, -heads[kept], hosted[kept]), -cap[kept], score[kept])
         chosen = kept[survive]
-        if len(chosen) > FRONTIER_LIMIT:
+        if len(chosen) > (HOSTED_LIMIT if costs.hosted else FRONTIER_LIMIT):
             raise _FrontierTooLarge(f"{len(chosen)} states at layer {j}")
         self.cap, self.heads, self.score = cap[chosen], heads[chosen], score[chosen]
         self.retained = (self.retained[:, None] + retained).ravel()[chosen]
+        self.hosted = hosted[chosen]
         self.parents.append(chosen // k)
         self.picks.append(chosen % k)
         self.first = j
@@ -259,29 +288,36 @@ class _Backward:
 def _join(forward: _Forward, backward: _Backward) -> tuple[float, tuple[int, ...]] | None:
     """The fastest whole plan a forward state and a backward state that meet make (ties to the
     one that retains less), with its seconds; ``None`` when no pair fits together."""
-    depth = forward.costs.depth
+    costs = forward.costs
+    depth = costs.depth
     best: tuple[float, float, int, int] | None = None
-    if depth:
-        group = np.unique(forward.keys, axis=0, return_inverse=True)[1].ravel()
+    tails = _with_hosted(costs, forward.keys, forward.hosted)
+    if tails.shape[1]:
+        group = np.unique(tails, axis=0, return_inverse=True)[1].ravel()
     else:
         group = np.zeros(len(forward.prefix), dtype=np.int64)
     for g in np.unique(group):
         mine = np.flatnonzero(group == g)
         keys = forward.keys[mine[0]]
+        # The backward states this head leaves room for on the host.
+        open_ = np.flatnonzero(backward.hosted <= costs.host_cap - forward.hosted[mine[0]])
+        if not len(open_):
+            continue
         # What this tail leaves the backward state: its phases take the tail's reloads.
-        room = backward.cap.copy()
+        room = backward.cap[open_]
         for q in range(depth):
-            room = np.minimum(room, backward.heads[:, q] - keys[depth - 1 - q])
-        order = np.lexsort((backward.retained, backward.score, -room))
-        fastest = np.minimum.accumulate(backward.score[order])
-        at = np.maximum.accumulate(np.where(backward.score[order] <= fastest, np.arange(len(order)), 0))
+            room = np.minimum(room, backward.heads[open_, q] - keys[depth - 1 - q])
+        their_score, their_retained = backward.score[open_], backward.retained[open_]
+        order = np.lexsort((their_retained, their_score, -room))
+        fastest = np.minimum.accumulate(their_score[order])
+        at = np.maximum.accumulate(np.where(their_score[order] <= fastest, np.arange(len(order)), 0))
         fits = np.searchsorted(-room[order], -forward.prefix[mine], side="right")
         ok = fits > 0
         if not ok.any():
             continue
         mine, pos = mine[ok], fits[ok] - 1
         total = forward.score[mine] + fastest[pos]
-        partner = order[at[pos]]
+        partner = open_[order[at[pos]]]
         least = total.min()
         tied = np.flatnonzero(total <= least + 1e-12 * max(abs(least), 1.0))
         bytes_held = forward.prefix[mine[tied]] + backward.retained[partner[tied]]
@@ -298,11 +334,13 @@ def _join(forward: _Forward, backward: _Backward) -> tuple[float, tuple[int, ...
     return best[0], tuple(forward.trace(best[2]) + backward.trace(best[3]))
 
 
-def _meet(costs: Costs, bounds: Bounds, budget: float, target: float) -> tuple[float, tuple[int, ...]] | None:
+def _meet(
+    costs: Costs, bounds: Bounds, budget: float, target: float, priced: Priced | None = None
+) -> tuple[float, tuple[int, ...]] | None:
     """Walk from both ends, always extending the smaller frontier, and join. Exact for
     ``target``: when some plan takes at most ``target`` seconds, the fastest is returned;
     otherwise whatever fitting plan the join finds (or ``None``)."""
-    forward, backward = _Forward(costs, budget), _Backward(costs, budget)
+    forward, backward = _Forward(costs, budget, priced), _Backward(costs, budget, priced)
     left, right = 1, 1
     while forward.last + 1 < backward.first:
         if left <= right:
@@ -312,6 +350,51 @@ def _meet(costs: Costs, bounds: Bounds, budget: float, target: float) -> tuple[f
         if not left or not right:
             return None
     return _join(forward, backward)
+
+
+class Priced:
+    """A second lower bound for the walks under a host budget ``H``, from a price ``p`` per
+    offloaded byte: a whole plan's seconds are at least its priced seconds less ``p * H`` (it
+    moves at most ``H``), and its priced seconds at least a partial plan's own (``score + p *
+    hosted``) plus the priced problem's bound on the layers it has not chosen."""
+
+    def __init__(self, problem: PlanProblem, budget: float, price: float) -> None:
+        from actplan.planning._host import priced
+
+        host = problem.host_budget_bytes
+        if host is None:
+            raise ValueError("a priced bound needs a host budget")
+        self.price, self.host = price, host
+        self.bounds = Bounds(Costs.of(priced(problem, price)), budget)
+
+    def after(self, i: int, prefix: np.ndarray, score: np.ndarray, hosted: np.ndarray) -> np.ndarray:
+        return score + self.price * (hosted - self.host) + self.bounds.after(i, prefix)
+
+    def before(self, j: int, room: np.ndarray, score: np.ndarray, hosted: np.ndarray) -> np.ndarray:
+        return score + self.price * (hosted - self.host) + self.bounds.before(j, room)
+
+
+def closer(
+    problem: PlanProblem, budget: float, price: float, best: float, bound: float
+) -> tuple[int, ...] | None:
+    """The fastest plan under ``budget`` and the host budget when it takes less than ``best``
+    seconds (a plan known to fit both), ``None`` when none does: walks from both ends keep the
+    states whose seconds plus the larger of the two bounds (the plain one, and ``Priced`` at
+    ``price``) meet a target rising from ``bound`` (a lower bound on the answer) to ``best``.
+    Exact; raises ``_FrontierTooLarge`` past ``HOSTED_LIMIT`` states."""
+    costs = Costs.of(problem)
+    bounds = Bounds(costs, budget)
+    pricing = Priced(problem, budget, price)
+    slack = 1e-9 * max(abs(best), 1.0)
+    rise = max(best - bound, 0.0) * FIRST_TARGET
+    while True:
+        target = min(bound + rise, best)
+        found = _meet(costs, bounds, budget, target + slack, pricing)
+        if found is not None and found[0] <= target + slack:
+            return found[1] if found[0] < best - slack else None
+        if target >= best:
+            return None
+        rise *= RISE
 
 
 def _forward_only(

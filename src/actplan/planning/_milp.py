@@ -7,6 +7,11 @@ reduction (``_frontier``) and its extra check; scipy is imported when a MILP is 
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
+import threading
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -51,7 +56,8 @@ class _Columns:
 
 
 def _constraints(problem: PlanProblem, budget: float | None, cols: _Columns) -> list[Any]:
-    """One candidate per layer; the prefix sums; every phase under the budget (or under P)."""
+    """One candidate per layer; the prefix sums; every phase under the budget (or under P); the
+    offloaded bytes under the host budget, when there is one."""
     from scipy.optimize import LinearConstraint
 
     static = (problem.static_bytes + problem.backward_extra_bytes) / _MIB
@@ -87,11 +93,16 @@ def _constraints(problem: PlanProblem, budget: float | None, cols: _Columns) -> 
     phase_upper[layers] = cap - static - (problem.nonlayer_bytes + problem.head_transient_bytes) / _MIB
     if cols.minimise_peak:
         phase[:, cols.p_col] = -1.0  # every phase <= P, P minimised
-    return [
+    constraints = [
         LinearConstraint(one_hot, 1.0, 1.0),
         LinearConstraint(prefix, 0.0, 0.0),
         LinearConstraint(phase, -np.inf, phase_upper),
     ]
+    if problem.host_budget_bytes is not None:  # everything offloaded is on the host at once
+        host = np.zeros((1, width))
+        host[0, : cols.n] = cols.offloaded
+        constraints.append(LinearConstraint(host, -np.inf, problem.host_budget_bytes * (1 + 1e-9) / _MIB))
+    return constraints
 
 
 def _cost(cols: _Columns) -> np.ndarray:
@@ -111,6 +122,30 @@ def _cost(cols: _Columns) -> np.ndarray:
     return cost
 
 
+_QUIET = threading.Lock()
+
+
+@contextlib.contextmanager
+def _quiet_stdout() -> Iterator[None]:
+    """The process's standard output sent to the null device while HiGHS runs: some builds
+    print internal trace lines from C (``disp=False`` does not reach them), which would land in
+    a user's table. One solve at a time (the descriptor is the process's)."""
+    with _QUIET:
+        sys.stdout.flush()
+        try:
+            saved = os.dup(1)
+        except OSError:  # no standard output to guard
+            yield
+            return
+        try:
+            with open(os.devnull, "wb") as null:
+                os.dup2(null.fileno(), 1)
+            yield
+        finally:
+            os.dup2(saved, 1)
+            os.close(saved)
+
+
 def _solve(problem: PlanProblem, budget: float | None) -> tuple[int, ...] | None:
     """Least time under ``budget``, or (``budget=None``) least peak. ``None``: nothing fits."""
     require("scipy")
@@ -126,9 +161,10 @@ def _solve(problem: PlanProblem, budget: float | None) -> tuple[int, ...] | None
         np.concatenate([np.ones(n), np.full(width - n, np.inf)]),
     )
     cost = _cost(cols)
-    result = highs_milp(
-        cost, constraints=constraints, integrality=integrality, bounds=bounds, options={"mip_rel_gap": 0}
-    )
+    with _quiet_stdout():
+        result = highs_milp(
+            cost, constraints=constraints, integrality=integrality, bounds=bounds, options={"mip_rel_gap": 0}
+        )
     if result.status == 2:  # infeasible
         return None
     if not result.success:

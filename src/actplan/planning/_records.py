@@ -53,6 +53,9 @@ class PlanProblem:
     # Per layer, measured: what runs during its backward, or before the layer below it starts
     # (a loss head in mid-model, as multi-token prediction has), beyond the model above.
     layer_extra_bytes: tuple[float, ...] = ()
+    # The most bytes the offloaded candidates may move to the host tier, summed over the layers
+    # (every offloaded tensor is on the host at the end of forward); ``None``: no limit.
+    host_budget_bytes: float | None = None
 
     def __post_init__(self) -> None:
         if not self.layers:
@@ -75,6 +78,11 @@ class PlanProblem:
                             f"layer {index}, candidate {candidate.name!r}: {cost} is {value}; costs must be "
                             "finite numbers (a failed measurement? profile again with --refresh)"
                         )
+        if self.host_budget_bytes is not None and not self.host_budget_bytes >= 0:
+            raise ValueError(
+                f"host_budget_bytes is {self.host_budget_bytes}; give the pinned host bytes the "
+                "offloaded layers may use (0 or more), or None for no limit"
+            )
         if self.layer_extra_bytes and len(self.layer_extra_bytes) != len(self.layers):
             raise ValueError(
                 f"layer_extra_bytes has {len(self.layer_extra_bytes)} entries for {len(self.layers)} "
@@ -124,6 +132,16 @@ class PlanProblem:
 
     def peak(self, choices: Sequence[int]) -> float:
         return max(self.phases(choices))
+
+    def host_bytes(self, choices: Sequence[int]) -> float:
+        """What the chosen candidates move to the host tier, summed: all of it is there when
+        forward ends."""
+        return float(sum(self.layers[i][c].offloaded_bytes for i, c in enumerate(choices)))
+
+    def host_fits(self, choices: Sequence[int]) -> bool:
+        """Whether ``choices`` keep within the host budget (always, without one)."""
+        budget = self.host_budget_bytes
+        return budget is None or self.host_bytes(choices) <= budget * (1 + 1e-9) + 1
 
     def seconds(self, choices: Sequence[int]) -> float:
         return self.base_seconds + sum(self.layers[i][c].extra_seconds for i, c in enumerate(choices))

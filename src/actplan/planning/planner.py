@@ -1,4 +1,5 @@
-"""Choose one candidate per layer: least predicted step time with predicted peak memory under a budget.
+"""Choose one candidate per layer: least predicted step time with predicted peak memory under a
+budget (and, optionally, what the plan offloads under a host budget).
 
 Pure (no torch): ``profile.py`` measures the candidates, this module solves. A
 candidate is one way to run a layer, with ``retained_bytes`` (what the layer leaves on the
@@ -46,7 +47,8 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from actplan.planning import _frontier, _milp
+from actplan.planning import _frontier, _host, _milp
+from actplan.planning._bounds import Costs
 from actplan.planning._records import Candidate, PlanProblem
 from actplan.sizes import human_bytes, parse_bytes
 
@@ -56,6 +58,7 @@ __all__ = [
     "PlanProblem",
     "Solution",
     "front_table",
+    "least_host_bytes",
     "minimum_peak",
     "none_peak",
     "pareto_front",
@@ -76,6 +79,9 @@ class Solution:
     predicted_peak_bytes: float
     predicted_seconds: float
     budget_bytes: float
+    # How much faster the fastest plan could at most be: 0.0 (this is it), except under a host
+    # budget on a problem too deep for the exact walks (see ``_host``).
+    gap_seconds: float = 0.0
 
 
 def _exact(problem: PlanProblem, budget: float | None) -> tuple[int, ...] | None:
@@ -84,10 +90,43 @@ def _exact(problem: PlanProblem, budget: float | None) -> tuple[int, ...] | None
     ``_frontier.search`` on the undominated candidates (see its doc); the MILP answers where a
     frontier grows past ``FRONTIER_LIMIT``.
     """
+    return _solved(problem, budget)[0]
+
+
+def _solved(problem: PlanProblem, budget: float | None) -> tuple[tuple[int, ...] | None, float]:
+    """``_exact``'s plan and how much faster the fastest plan could at most be: 0.0, except
+    under a host budget that the fastest plan breaks, where a priced search answers
+    (``_host.within_host``) when the exact walks would grow past ``HOSTED_LIMIT`` states."""
+    if budget is None or problem.host_budget_bytes is None:
+        return _frontier_or_milp(problem, budget), 0.0
+    smaller, keep = _frontier.reduced(problem)
+    if not Costs.of(smaller).hosted:  # no plan can break the host budget
+        return _frontier_or_milp(problem, budget), 0.0
+    found = _host.within_host(problem, budget, _exact)
+    if found is None:
+        return None, 0.0
+    choices, gap, price = found
+    if gap <= 1e-9 * max(problem.seconds(choices), 1.0):
+        return choices, 0.0
+    best = problem.seconds(choices) - problem.base_seconds
+    try:
+        closer = _frontier.closer(smaller, budget, price, best, best - gap)
+    except _frontier._FrontierTooLarge:
+        return choices, gap  # too deep to close: the priced search's plan, within the gap
+    if closer is not None:
+        choices = tuple(k[c] for k, c in zip(keep, closer, strict=True))
+    return choices, 0.0
+
+
+def _frontier_or_milp(
+    problem: PlanProblem, budget: float | None, fallback: bool = True
+) -> tuple[int, ...] | None:
     smaller, keep = _frontier.reduced(problem)
     try:
         choices = _frontier.search(smaller, budget)
     except _frontier._FrontierTooLarge:
+        if not fallback:
+            raise
         return _milp.milp(problem, budget)
     if choices is None:
         return None
@@ -97,9 +136,23 @@ def _exact(problem: PlanProblem, budget: float | None) -> tuple[int, ...] | None
 def minimum_peak(problem: PlanProblem) -> tuple[float, tuple[int, ...]]:
     """The smallest predicted peak any choice reaches, and that choice."""
     choices = _exact(problem, None)
+    if choices is None and problem.host_budget_bytes is not None:
+        least = least_host_bytes(problem)
+        raise BudgetError(
+            f"no plan keeps within a host budget of {human_bytes(problem.host_budget_bytes)} per GPU: "
+            f"the plan that offloads least moves {human_bytes(least)} to the host ({least:,.0f} bytes), "
+            "the one that offloads most "
+            f"{human_bytes(sum(max(c.offloaded_bytes for c in cs) for cs in problem.layers))}. Raise the "
+            "host budget to at least the least, or leave it out"
+        )
     if choices is None:  # every choice has a finite peak; the solver must find one
         raise RuntimeError("the planner found no plan without a budget; please report this")
     return problem.peak(choices), choices
+
+
+def least_host_bytes(problem: PlanProblem) -> float:
+    """The fewest bytes any plan moves to the host tier (each layer's least-offloading candidate)."""
+    return float(sum(min(c.offloaded_bytes for c in cs) for cs in problem.layers))
 
 
 def preset_peak(problem: PlanProblem, name: str) -> float | None:
@@ -127,18 +180,25 @@ def solve(problem: PlanProblem, budget_bytes: float) -> Solution:
     """
     # A hair of slack so a budget equal to a candidate's exact peak admits it despite rounding.
     fits = problem.optimizer_phase_bytes <= budget_bytes
-    choices = _exact(problem, budget_bytes * (1 + 1e-9) + 1) if fits else None
-    if choices is None or problem.peak(choices) > budget_bytes * (1 + 1e-6) + 1:
+    choices, gap = _solved(problem, budget_bytes * (1 + 1e-9) + 1) if fits else (None, 0.0)
+    if (
+        choices is None
+        or problem.peak(choices) > budget_bytes * (1 + 1e-6) + 1
+        or not problem.host_fits(choices)
+    ):
         minimum, _ = minimum_peak(problem)
         top = none_peak(problem)
         feasible = f"{human_bytes(minimum)} ({minimum:,.0f} bytes)" + (
             f" up to the no-checkpoint peak {human_bytes(top)}" if top is not None else ""
         )
+        host = problem.host_budget_bytes
+        within = "" if host is None else f" with at most {human_bytes(host)} offloaded to the host"
         raise BudgetError(
-            f"no plan fits a budget of {human_bytes(budget_bytes)}: predicted peaks range from {feasible}. "
-            f"Parameters and optimizer state take {human_bytes(problem.static_bytes)} and the optimizer "
-            f"step {human_bytes(problem.optimizer_phase_bytes)}, whatever the plan. Raise the budget to at "
-            "least the minimum, or add cheaper choices (offload)"
+            f"no plan fits a budget of {human_bytes(budget_bytes)}{within}: predicted peaks range from "
+            f"{feasible}. Parameters and optimizer state take {human_bytes(problem.static_bytes)} and the "
+            f"optimizer step {human_bytes(problem.optimizer_phase_bytes)}, whatever the plan. Raise the "
+            "budget to at least the minimum, or add cheaper choices (offload)"
+            + ("" if host is None else ", or raise the host budget")
         )
     return Solution(
         choices=choices,
@@ -146,6 +206,7 @@ def solve(problem: PlanProblem, budget_bytes: float) -> Solution:
         predicted_peak_bytes=problem.peak(choices),
         predicted_seconds=problem.seconds(choices),
         budget_bytes=budget_bytes,
+        gap_seconds=gap,
     )
 
 

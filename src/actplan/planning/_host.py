@@ -1,0 +1,156 @@
+"""A host budget the fastest plan breaks: a price on every byte moved to the host tier, raised
+until the fastest plan at that price keeps within the budget (Lagrangian relaxation).
+
+At a price ``p`` per byte, the fastest plan of the priced problem (each candidate's seconds
+plus ``p`` times its offloaded bytes, solved exactly without a host budget) is a plan; when it
+keeps within the budget ``H`` it is a candidate answer, and at every price its priced seconds
+less ``p * H`` bound the constrained optimum from below. Bisection on the price keeps the
+fastest plan that fits and the best bound: the answer is within their difference (the gap)
+of the fastest plan under both budgets, and exact when the gap closes, as it does whenever
+the budget falls where the priced plans change.
+
+Private to ``actplan.planning.planner``. Imports the problem records only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+
+from actplan.planning._records import PlanProblem
+
+# Bisection steps on the price (each one exact solve without a host budget).
+STEPS = 12
+# How far the price may double looking for one at which a plan fits the host budget.
+DOUBLINGS = 60
+
+Solver = Callable[[PlanProblem, float], "tuple[int, ...] | None"]
+
+
+def priced(problem: PlanProblem, price: float) -> PlanProblem:
+    """``problem`` with no host budget and each candidate's seconds raised by ``price`` per
+    offloaded byte."""
+    layers = tuple(
+        tuple(
+            c
+            if not c.offloaded_bytes
+            else replace(c, extra_seconds=c.extra_seconds + price * c.offloaded_bytes)
+            for c in cs
+        )
+        for cs in problem.layers
+    )
+    return replace(problem, layers=layers, host_budget_bytes=None)
+
+
+def _first_price(problem: PlanProblem) -> float:
+    """A price at which moving any candidate's bytes costs about as much as its seconds span:
+    the bisection's first upper end."""
+    seconds = [c.extra_seconds for cs in problem.layers for c in cs]
+    moved = [c.offloaded_bytes for cs in problem.layers for c in cs if c.offloaded_bytes > 0]
+    return max(max(seconds) - min(seconds), 1e-12) / min(moved)
+
+
+def within_host(
+    problem: PlanProblem, budget: float, fastest: Solver
+) -> tuple[tuple[int, ...], float, float] | None:
+    """The fastest plan found under ``budget`` that keeps within ``problem``'s host budget, how
+    much faster the fastest such plan could at most be (0.0: it is the fastest) and the price
+    that bounds it so; ``None`` when no plan fits both. ``fastest(problem, budget)`` solves a
+    problem without a host budget exactly (``None``: nothing fits ``budget``)."""
+    host = problem.host_budget_bytes
+    if host is None:
+        raise ValueError("within_host needs a problem with a host budget")
+    free = fastest(replace(problem, host_budget_bytes=None), budget)
+    if free is None:
+        return None
+    if problem.host_fits(free):
+        return free, 0.0, 0.0
+    best: tuple[float, tuple[int, ...]] | None = None
+    bound = problem.seconds(free)  # the fastest plan with no host budget bounds it from below
+    bound_price = 0.0
+    over = free  # the last plan that moved too much
+
+    def at(price: float) -> bool:
+        """Solve at ``price``; keep the plan if it fits and the bound; whether it fit."""
+        nonlocal best, bound, bound_price, over
+        choices = fastest(priced(problem, price), budget)
+        if choices is None:  # the device budget alone admits a plan, so a priced one does too
+            raise RuntimeError("internal error: a priced problem has no plan; please report it")
+        moved = problem.host_bytes(choices)
+        seconds = problem.seconds(choices)
+        if seconds + price * (moved - host) > bound:
+            bound, bound_price = seconds + price * (moved - host), price
+        if problem.host_fits(choices):
+            choices = _towards(problem, budget, choices, over)
+            seconds = problem.seconds(choices)
+            if best is None or seconds < best[0]:
+                best = (seconds, choices)
+            return True
+        over = choices
+        return False
+
+    low, high = 0.0, _first_price(problem)
+    for _ in range(DOUBLINGS):
+        if at(high):
+            break
+        low, high = high, high * 2
+    else:
+        return None  # even at a price no time saving pays, every plan moves too much
+    for _ in range(STEPS):
+        if best is not None and best[0] - bound <= 1e-9 * max(abs(best[0]), 1.0):
+            break
+        middle = (low * high) ** 0.5 if low > 0 else high / 2
+        if at(middle):
+            high = middle
+        else:
+            low = middle
+    assert best is not None
+    if best[0] - bound > 1e-9 * max(abs(best[0]), 1.0):
+        best = _improved(problem, budget, best[1])
+    return best[1], max(best[0] - bound, 0.0), bound_price
+
+
+def _towards(
+    problem: PlanProblem, budget: float, fits: tuple[int, ...], over: tuple[int, ...]
+) -> tuple[int, ...]:
+    """``fits`` (a plan within both budgets) with layers switched to ``over``'s choice (a faster
+    plan that moves too much) one at a time, most seconds saved per byte moved first, each kept
+    when the plan still fits both budgets and is faster: the bisection's plans differ in a few
+    layers, and the budget often leaves room for some of the faster choices."""
+    plan = list(fits)
+    gains = []
+    for i, (mine, theirs) in enumerate(zip(fits, over, strict=True)):
+        if mine == theirs:
+            continue
+        a, b = problem.layers[i][mine], problem.layers[i][theirs]
+        saved = a.extra_seconds - b.extra_seconds
+        if saved > 0:
+            gains.append((-saved / max(b.offloaded_bytes - a.offloaded_bytes, 1.0), i))
+    for _, i in sorted(gains):
+        trial = [*plan]
+        trial[i] = over[i]
+        if problem.host_fits(trial) and problem.peak(trial) <= budget:
+            plan = trial
+    return tuple(plan)
+
+
+def _improved(problem: PlanProblem, budget: float, plan: tuple[int, ...]) -> tuple[float, tuple[int, ...]]:
+    """``plan`` improved one layer at a time: each layer takes the fastest of its candidates
+    that keeps the plan within both budgets, sweeping the stack until no layer changes (a
+    handful of sweeps; each layer's choice only ever gets faster)."""
+    current = list(plan)
+    for _ in range(len(current)):
+        changed = False
+        for i, candidates in enumerate(problem.layers):
+            order = sorted(range(len(candidates)), key=lambda c: candidates[c].extra_seconds)
+            for c in order:
+                if candidates[c].extra_seconds >= candidates[current[i]].extra_seconds:
+                    break
+                trial = [*current]
+                trial[i] = c
+                if problem.host_fits(trial) and problem.peak(trial) <= budget:
+                    current, changed = trial, True
+                    break
+        if not changed:
+            break
+    return problem.seconds(current), tuple(current)

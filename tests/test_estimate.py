@@ -274,6 +274,7 @@ def test_accumulated_micro_batches_keep_the_sharded_gradients_between_them():
     assert two.resident_bytes == one.resident_bytes
     assert two.activation_bytes == one.activation_bytes  # each micro-batch's own
     assert two.step_peak_bytes > one.step_peak_bytes  # the 2nd starts with the 1st's gradients
+
     # Two micro-batches' work, and the 2nd's gradients added to the sharded ones (the 1st's
     # last reduce-scatters hide behind the 2nd's compute: compared without communication).
     def compute(ran):
@@ -439,6 +440,43 @@ def test_offload_presets_are_stepped_with_their_host_tier_and_copy_time(tmp_path
     assert main(["estimate", *shape, "--presets", "full+offlaod", "--quiet"]) == 2
     printed = capsys.readouterr()
     assert "a preset with offload: full+offload, matmuls+offload" in printed.out + printed.err
+
+
+def test_a_host_budget_bounds_the_plans_and_the_links_can_be_named(tmp_path, capsys):
+    # 16 MiB per node for this job's 2 GPUs: 8 MiB each, below full+offload's three 4 MiB layer
+    # inputs; the frontier's offload plans keep within it. PCIe 4 halves the host link.
+    shape = ["--model", "dense", "--layers", "4", "--hidden", "512", "--heads", "8", "--kv-heads", "4"]
+    shape += ["--ffn", "2048", "--vocab", "4096", "--seq", "2048", "--batch", "2", "--fsdp", "2"]
+    out = tmp_path / "estimate.json"
+    args = ["--presets", "full+offload", "--host-budget", "16MiB", "--host-link", "pcie4", "--frontier"]
+    assert main(["estimate", *shape, *args, "--json", str(out), "--quiet"]) == 0
+    printed = capsys.readouterr().out
+    assert "does not fit the host: full+offload pins" in printed and "raise --host-budget" in printed
+    data = json.loads(out.read_text())
+    row = data["rows"][0]
+    assert not row["fits"] and row["moved"]["host_bytes"] > 8 * 2**20
+    layer_input = 2 * 2048 * 512 * 2
+    assert row["moved"]["exposed_seconds"] == pytest.approx(layer_input / 32e9)  # PCIe 4 x16
+    offload = data["frontiers"][FRONTIER_KINDS[1]]
+    assert any(p["host_bytes"] > 0 for p in offload)
+    assert all(p["host_bytes"] <= 8 * 2**20 for p in offload)
+    assert main(["estimate", *shape, "--network", "nvlink9", "--quiet"]) == 2
+    assert "unknown --network 'nvlink9'; known: pcie4 (32 GB/s)" in capsys.readouterr().out
+    assert main(["estimate", *shape, "--host-budget", "3TiB", "--quiet"]) == 2
+    assert "--host-budget 3072.000 GiB is outside what a node holds: give 0 up to its host memory, 2 TB" in (
+        capsys.readouterr().out
+    )
+
+
+def test_a_plan_pinning_more_than_the_default_pool_raises_its_cap():
+    from actplan.planning._estimate_plans import host_cap_for
+    from actplan.sizes import DEFAULT_HOST_CAP_BYTES
+
+    assert host_cap_for(0) is None and host_cap_for(DEFAULT_HOST_CAP_BYTES * 0.8) is None
+    assert host_cap_for(42 * 2**30) == 48 * 2**30  # 42 GiB and an eighth, in whole GiB
+    offload = {"layers": "0-1", "layer_input": True, "host_cap": host_cap_for(42 * 2**30)}
+    config = RecomputeConfig.from_dict({"mode": "full", "offload": offload})
+    assert config.offload.host_cap == 48 * 2**30 and "host_cap: 48GiB" in config.to_yaml()
 
 
 def test_the_frontier_with_offload_is_never_slower_and_reaches_fewer_activations(tmp_path, capsys):
@@ -646,9 +684,7 @@ def test_the_rank_step_holds_its_shards_and_adamw_state_between_steps():
 
     world = 4
     model = build_model("dense", "small", **SMALL.model_overrides()).model
-    shards = sum(
-        4 * -(-p.shape[0] // world) * (p.numel() // p.shape[0]) for p in model.parameters()
-    )
+    shards = sum(4 * -(-p.shape[0] // world) * (p.numel() // p.shape[0]) for p in model.parameters())
     buffers = sum(b.untyped_storage().nbytes() for b in model.buffers())
     counters = 4 * len(list(model.parameters()))
     ran = rank_step(SMALL, "full", world, "h100")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 
 from rich.console import Console
 from rich.table import Table
@@ -69,12 +70,14 @@ def estimate(args: argparse.Namespace, console: Console) -> int:
         raise ValueError("--out writes the plan for --budget; give --budget too (e.g. --budget 72GiB)")
     if args.plot and not args.frontier:
         raise ValueError("--plot draws the frontier; give --frontier too")
+    host_budget = None if args.host_budget is None else parse_bytes(args.host_budget, round_down=True)
+    gpu = _gpu_with_links(args)
     presets = [name.strip() for name in args.presets.split(",") if name.strip()]
     progress = None if args.quiet else (lambda line: console.print(f"[dim]{line}[/]"))
     result = run_estimate(
         shape,
         presets,
-        gpu=args.gpu,
+        gpu=gpu,
         fsdp=args.fsdp,
         tp=args.tp,
         ep=args.ep,
@@ -86,6 +89,7 @@ def estimate(args: argparse.Namespace, console: Console) -> int:
         workers=default_workers() if args.workers is None else args.workers,
         gpus_per_node=args.gpus_per_node,
         frontier=args.frontier,
+        host_budget_bytes=host_budget,
     )
     console.print(estimate_table(result))
     console.print(time_table(result))
@@ -119,6 +123,22 @@ def estimate(args: argparse.Namespace, console: Console) -> int:
     if args.json:
         write_output(args.json, json.dumps(result.to_dict(), indent=2) + "\n", console)
     return 0 if budget is None or best is not None else 1
+
+
+def _gpu_with_links(args: argparse.Namespace):
+    """``--gpu``'s table entry with the links ``--host-link``, ``--gpu-link`` and ``--network``
+    name, or its name when they name none."""
+    from actplan.measure import accelerator, link_rate
+
+    links = {
+        "host_link_bytes_per_s": (args.host_link, "--host-link"),
+        "intra_node_bytes_per_s": (args.gpu_link, "--gpu-link"),
+        "inter_node_bytes_per_s": (args.network, "--network"),
+    }
+    given = {field: link_rate(text, flag) for field, (text, flag) in links.items() if text is not None}
+    if not given:
+        return args.gpu
+    return replace(accelerator(args.gpu), **given)
 
 
 def _host_cell(moved) -> str:

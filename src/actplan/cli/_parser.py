@@ -154,6 +154,23 @@ def _add_estimate(sub) -> None:
         help="GPUs per node (default: the --gpu's, 8): collectives of a group within a node run on "
         "its GPU link, of a group across nodes on the network",
     )
+    for flag, field, what in (
+        ("--host-link", "host link", "offload's copies (default: the --gpu's, PCIe 5 x16 on most)"),
+        ("--gpu-link", "GPU link", "collectives within a node (default: the --gpu's NVLink)"),
+        ("--network", "network link", "collectives across nodes, per GPU (default: a 400 Gb/s NIC each)"),
+    ):
+        parser.add_argument(
+            flag,
+            metavar="LINK",
+            help=f"the {field} for {what}: a name (pcie4, pcie5, nvlink4, ndr, eth-400g, ...) or a rate "
+            "such as 25GB/s",
+        )
+    parser.add_argument(
+        "--host-budget",
+        metavar="SIZE",
+        help="pinned host memory per node that offload may use, e.g. 512GiB (default: the node's "
+        "host memory, 2 TB on DGX-class nodes), shared by this job's GPUs on the node",
+    )
     parser.add_argument(
         "--optimizer",
         default="AdamW",

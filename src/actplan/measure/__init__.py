@@ -41,14 +41,17 @@ from actplan.measure._parity import (
 )
 from actplan.measure._roofline import (
     ACCELERATORS,
+    LINKS,
     Accelerator,
     RooflineClock,
     accelerator,
+    link_rate,
 )
 from actplan.measure._timing import RatioStats, TimingStats, interleaved_timing, ratio
 
 __all__ = [
     "ACCELERATORS",
+    "LINKS",
     "Accelerator",
     "AllocatorReport",
     "AllocatorSettings",
@@ -77,6 +80,7 @@ __all__ = [
     "grad_census",
     "interleaved_timing",
     "is_fake",
+    "link_rate",
     "ratio",
     "replay_allocations",
     "settings_from_env",

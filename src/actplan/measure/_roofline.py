@@ -15,6 +15,7 @@ shapes, same ops) hold better than absolute seconds. Imports torch, ``_storage``
 
 from __future__ import annotations
 
+import re
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
@@ -26,7 +27,7 @@ from actplan._storage import storage_key
 from actplan._torch_internals import DEVICE_QUERY, TorchDispatchMode, collective_call, op_schema, tree_flatten
 from actplan.measure._collectives import Collective, Streams, collective_seconds, spans_nodes
 
-__all__ = ["ACCELERATORS", "Accelerator", "RooflineClock", "accelerator", "op_flops"]
+__all__ = ["ACCELERATORS", "LINKS", "Accelerator", "RooflineClock", "accelerator", "link_rate", "op_flops"]
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,8 @@ class Accelerator:
     inter_node_bytes_per_s: float = 0.0
     gpus_per_node: int = 8
     links_source: str = ""
+    # The node's host memory (10^9-byte GB), which every pinned host buffer of its GPUs shares.
+    node_host_bytes: float = 2e12
 
 
 ACCELERATORS: dict[str, Accelerator] = {
@@ -59,7 +62,8 @@ ACCELERATORS: dict[str, Accelerator] = {
             intra_node_bytes_per_s=300e9,
             inter_node_bytes_per_s=25e9,
             links_source="A100 datasheet: NVLink 600 GB/s (both directions); NVIDIA DGX A100 "
-            "datasheet: 8 single-port ConnectX-6 200 Gb/s for the cluster network, one per GPU",
+            "datasheet: 8 single-port ConnectX-6 200 Gb/s for the cluster network, one per GPU, and 2 TB "
+            "of system memory",
         ),
         Accelerator(
             "h100", 989.4e12, 66.9e12, 3.35e12, 64e9,
@@ -69,7 +73,8 @@ ACCELERATORS: dict[str, Accelerator] = {
             intra_node_bytes_per_s=450e9,
             inter_node_bytes_per_s=50e9,
             links_source="H100 datasheet (SXM5): NVLink 900 GB/s (both directions); NVIDIA DGX "
-            "H100 datasheet: 8 ConnectX-7 400 Gb/s for the cluster network, one per GPU",
+            "H100 datasheet: 8 ConnectX-7 400 Gb/s for the cluster network, one per GPU, and 2 TB of "
+            "system memory",
         ),
         Accelerator(
             "h200", 989.4e12, 66.9e12, 4.8e12, 64e9,
@@ -79,7 +84,8 @@ ACCELERATORS: dict[str, Accelerator] = {
             intra_node_bytes_per_s=450e9,
             inter_node_bytes_per_s=50e9,
             links_source="H200 datasheet (SXM): NVLink 900 GB/s (both directions); NVIDIA HGX "
-            "H200 reference: one 400 Gb/s ConnectX-7 per GPU for the cluster network",
+            "H200 reference: one 400 Gb/s ConnectX-7 per GPU for the cluster network; NVIDIA DGX H200 "
+            "datasheet: 2 TB of system memory",
         ),
         Accelerator(
             "b200", 2.25e15, 80e12, 8e12, 64e9,
@@ -89,7 +95,8 @@ ACCELERATORS: dict[str, Accelerator] = {
             intra_node_bytes_per_s=900e9,
             inter_node_bytes_per_s=50e9,
             links_source="HGX B200 datasheet: NVLink 1.8 TB/s per GPU (both directions); NVIDIA "
-            "DGX B200 datasheet: 8 single-port ConnectX-7 400 Gb/s for the cluster network",
+            "DGX B200 datasheet: 8 single-port ConnectX-7 400 Gb/s for the cluster network, and 2 TB of "
+            "system memory (up to 4 TB)",
         ),
         Accelerator(
             "mi300x", 1307.4e12, 163.4e12, 5.3e12, 64e9,
@@ -99,10 +106,47 @@ ACCELERATORS: dict[str, Accelerator] = {
             intra_node_bytes_per_s=448e9,
             inter_node_bytes_per_s=50e9,
             links_source="MI300X datasheet: 7 Infinity Fabric links of 128 GB/s (both directions) "
-            "to the platform's other 7 GPUs; AMD Instinct MI300X platform: a 400 Gb/s NIC per GPU",
+            "to the platform's other 7 GPUs; AMD Instinct MI300X platform: a 400 Gb/s NIC per GPU; "
+            "host memory taken as a DGX-class node's 2 TB (set --host-budget)",
         ),
     )
 }  # fmt: skip
+
+
+LINKS: dict[str, tuple[float, str]] = {
+    "pcie4": (32e9, "PCIe 4.0 x16: 16 GT/s on 16 lanes, about 32 GB/s per direction"),
+    "pcie5": (64e9, "PCIe 5.0 x16: 32 GT/s on 16 lanes, about 64 GB/s per direction"),
+    "pcie6": (128e9, "PCIe 6.0 x16: 64 GT/s on 16 lanes, about 128 GB/s per direction"),
+    "nvlink-c2c": (450e9, "NVIDIA GH200 datasheet: NVLink-C2C 900 GB/s (both directions), CPU to GPU"),
+    "nvlink3": (300e9, "A100 datasheet: NVLink 600 GB/s (both directions)"),
+    "nvlink4": (450e9, "H100 datasheet: NVLink 900 GB/s (both directions)"),
+    "nvlink5": (900e9, "B200 datasheet: NVLink 1.8 TB/s (both directions)"),
+    "hdr": (25e9, "InfiniBand HDR: 200 Gb/s per port"),
+    "ndr": (50e9, "InfiniBand NDR: 400 Gb/s per port"),
+    "xdr": (100e9, "InfiniBand XDR: 800 Gb/s per port"),
+    "eth-100g": (12.5e9, "Ethernet (RoCE) 100 Gb/s per port"),
+    "eth-200g": (25e9, "Ethernet (RoCE) 200 Gb/s per port"),
+    "eth-400g": (50e9, "Ethernet (RoCE) 400 Gb/s per port"),
+}
+"""Links by name, one direction (a network port counts per GPU: one NIC each), with the
+standard or datasheet each rate comes from; ``link_rate`` reads them."""
+
+_RATE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(GB/s|Gb/s|TB/s)\s*$")
+
+
+def link_rate(text: str, what: str = "link") -> float:
+    """Bytes per second, one direction, of a link named in ``LINKS`` (``'pcie4'``, ``'ndr'``)
+    or written as a rate (``'25GB/s'``, ``'400Gb/s'``). ``what`` names the flag in errors."""
+    found = LINKS.get(text.strip().lower())
+    if found is not None:
+        return found[0]
+    match = _RATE.match(text)
+    if match:
+        value = float(match.group(1)) * {"GB/s": 1e9, "Gb/s": 1e9 / 8, "TB/s": 1e12}[match.group(2)]
+        if value > 0:
+            return value
+    known = ", ".join(f"{name} ({rate / 1e9:g} GB/s)" for name, (rate, _) in LINKS.items())
+    raise ValueError(f"unknown {what} {text!r}; known: {known}; or a rate per direction such as '25GB/s'")
 
 
 def accelerator(name: str | Accelerator) -> Accelerator:

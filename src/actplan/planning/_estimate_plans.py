@@ -6,6 +6,7 @@ measure and models.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
@@ -13,14 +14,14 @@ from typing import Any
 import torch
 
 from actplan.config import RecomputeConfig
-from actplan.measure import FakeRun
+from actplan.measure import Accelerator, FakeRun
 from actplan.models import build_for_shape
 from actplan.models.shape import DTYPES, Shape
 from actplan.planning.choose import config_for, made_for
 from actplan.planning.planner import BudgetError, minimum_peak, none_peak, plan_summary, solve
 from actplan.planning.profile import ModelProfile, profile_model
 from actplan.progress import PlainLines
-from actplan.sizes import human_bytes
+from actplan.sizes import DEFAULT_HOST_CAP_BYTES, human_bytes
 
 __all__ = [
     "FrontierPoint",
@@ -180,7 +181,12 @@ class Planner:
         """The plan of ``choices`` (indices into each layer's candidates), its ``made_for``
         block naming the GPU memory ``gpu_budget`` it is meant to fit."""
         budget_block = {"budget": human_bytes(gpu_budget), "budget_bytes": gpu_budget, "budget_of": "gpu"}
-        return config_for(self.profile, choices, {**self.made_for, **budget_block})
+        return config_for(
+            self.profile,
+            choices,
+            {**self.made_for, **budget_block},
+            host_cap_for(self.problem.host_bytes(choices)),
+        )
 
     def plan(self, budget: int, gpu_budget: int) -> tuple[RecomputeConfig, float, float]:
         """The plan for ``budget`` requested bytes, its ``made_for`` block naming the GPU memory
@@ -190,7 +196,17 @@ class Planner:
         return self.config_of(solution.choices, gpu_budget), solution.predicted_peak_bytes, ratio
 
 
-def shallow_profile(shape: Shape, gpu: str, say: Callable[[str], None] | None = None) -> ModelProfile:
+def host_cap_for(host_bytes: float) -> int | None:
+    """The offload pool cap a plan moving ``host_bytes`` to the host needs, when the default
+    (16 GiB) is too small: those bytes and an eighth more (the pool's size classes round each
+    buffer up by less than that), in whole GiB."""
+    needed = math.ceil(host_bytes * 9 / 8 / 2**30) * 2**30
+    return needed if needed > DEFAULT_HOST_CAP_BYTES else None
+
+
+def shallow_profile(
+    shape: Shape, gpu: str | Accelerator, say: Callable[[str], None] | None = None
+) -> ModelProfile:
     """The profile of a shallow stack of ``shape`` (the dense prefix and a few alike layers)
     on fake tensors with the roofline clock: its whole-model steps are what a profile spends
     most on, and ``planner_for`` deepens it. ``say`` gets a progress line per tenth of the work."""
@@ -205,11 +221,16 @@ def shallow_profile(shape: Shape, gpu: str, say: Callable[[str], None] | None = 
 
 
 def planner_for(
-    profile: ModelProfile, shape: Shape, gpu: str, static: int, base_seconds: float
+    profile: ModelProfile,
+    shape: Shape,
+    gpu: str,
+    static: int,
+    base_seconds: float,
+    host_budget: float | None = None,
 ) -> Planner:
     """The planner over ``shallow_profile``'s profile deepened to ``shape``'s layers, with the
-    estimate's measured ``static`` bytes and ``none``'s ``base_seconds``. The plans' own steps
-    check it."""
+    estimate's measured ``static`` bytes and ``none``'s ``base_seconds``; its plans offload at
+    most ``host_budget`` bytes per GPU (``None``: no limit). The plans' own steps check it."""
     profile = deepened(profile, shape.layers, base_seconds)
     with default_dtype(DTYPES[shape.dtype]), torch.device("meta"):
         whole = build_for_shape(shape)  # the layers and classes the plan will meet
@@ -221,8 +242,9 @@ def planner_for(
         layer_grad_bytes=(),
         other_grad_bytes=0.0,
         optimizer_step_bytes=0.0,
+        host_budget_bytes=host_budget,
     )
-    low, _ = minimum_peak(problem)
+    low, _ = minimum_peak(problem)  # BudgetError when the host budget is below every plan
     return Planner(profile, problem, int(low), header)
 
 
@@ -274,6 +296,15 @@ def plan_within(
         row.plan_yaml = config.to_yaml()
         gap = max(0, row.reserved_peak_bytes - int(predicted_peak))
         excess = row.reserved_peak_bytes + outside - target
+        host = planner.problem.host_budget_bytes
+        over_host = 0 if host is None or row.moved is None else row.moved.host_bytes - host
+        if over_host > 0:  # the pool's size classes hold more than the plan moves
+            say(
+                f"the plan for {human_bytes(target)} pins {human_bytes(row.moved.host_bytes)} of host "
+                f"memory, {human_bytes(over_host)} over the host budget: planning again under less"
+            )
+            planner = replace(planner, problem=replace(planner.problem, host_budget_bytes=host - over_host))
+            continue
         if excess <= 0 or allowed == planner.minimum:
             break  # fits, or the plan that holds least does not fit either
         say(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -31,6 +31,15 @@ BEATERS = 32
 # The first target sits this share of the way from the lower bound to the beam's plan; each
 # target that no plan meets is followed by one RISE times as far (three walks at most).
 FIRST_TARGET, RISE = 1 / 16, 4.0
+
+
+class Priced(Protocol):
+    """A second lower bound on a whole plan's seconds, from a partial plan's seconds, offloaded
+    total and the bytes it retains (forward) or leaves room for (backward): ``_host.Priced``."""
+
+    def after(self, i: int, prefix: np.ndarray, score: np.ndarray, hosted: np.ndarray) -> np.ndarray: ...
+
+    def before(self, j: int, room: np.ndarray, score: np.ndarray, hosted: np.ndarray) -> np.ndarray: ...
 
 
 class _FrontierTooLarge(Exception):
@@ -350,51 +359,6 @@ def _meet(
         if not left or not right:
             return None
     return _join(forward, backward)
-
-
-class Priced:
-    """A second lower bound for the walks under a host budget ``H``, from a price ``p`` per
-    offloaded byte: a whole plan's seconds are at least its priced seconds less ``p * H`` (it
-    moves at most ``H``), and its priced seconds at least a partial plan's own (``score + p *
-    hosted``) plus the priced problem's bound on the layers it has not chosen."""
-
-    def __init__(self, problem: PlanProblem, budget: float, price: float) -> None:
-        from actplan.planning._host import priced
-
-        host = problem.host_budget_bytes
-        if host is None:
-            raise ValueError("a priced bound needs a host budget")
-        self.price, self.host = price, host
-        self.bounds = Bounds(Costs.of(priced(problem, price)), budget)
-
-    def after(self, i: int, prefix: np.ndarray, score: np.ndarray, hosted: np.ndarray) -> np.ndarray:
-        return score + self.price * (hosted - self.host) + self.bounds.after(i, prefix)
-
-    def before(self, j: int, room: np.ndarray, score: np.ndarray, hosted: np.ndarray) -> np.ndarray:
-        return score + self.price * (hosted - self.host) + self.bounds.before(j, room)
-
-
-def closer(
-    problem: PlanProblem, budget: float, price: float, best: float, bound: float
-) -> tuple[int, ...] | None:
-    """The fastest plan under ``budget`` and the host budget when it takes less than ``best``
-    seconds (a plan known to fit both), ``None`` when none does: walks from both ends keep the
-    states whose seconds plus the larger of the two bounds (the plain one, and ``Priced`` at
-    ``price``) meet a target rising from ``bound`` (a lower bound on the answer) to ``best``.
-    Exact; raises ``_FrontierTooLarge`` past ``HOSTED_LIMIT`` states."""
-    costs = Costs.of(problem)
-    bounds = Bounds(costs, budget)
-    pricing = Priced(problem, budget, price)
-    slack = 1e-9 * max(abs(best), 1.0)
-    rise = max(best - bound, 0.0) * FIRST_TARGET
-    while True:
-        target = min(bound + rise, best)
-        found = _meet(costs, bounds, budget, target + slack, pricing)
-        if found is not None and found[0] <= target + slack:
-            return found[1] if found[0] < best - slack else None
-        if target >= best:
-            return None
-        rise *= RISE
 
 
 def _forward_only(

@@ -9,7 +9,12 @@ fastest plan that fits and the best bound: the answer is within their difference
 of the fastest plan under both budgets, and exact when the gap closes, as it does whenever
 the budget falls where the priced plans change.
 
-Private to ``actplan.planning.planner``. Imports the problem records only.
+Where the priced search leaves a gap, ``closer`` closes it exactly: the frontier walks, with
+each partial plan's offloaded total as one more key and the priced bound (``Priced``) beside
+the plain one.
+
+Private to ``actplan.planning.planner``. Imports numpy, the frontier solver, its bounds and
+the problem records.
 """
 
 from __future__ import annotations
@@ -17,6 +22,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 
+import numpy as np
+
+from actplan.planning import _frontier
+from actplan.planning._bounds import Bounds, Costs
 from actplan.planning._records import PlanProblem
 
 # Bisection steps on the price (each one exact solve without a host budget).
@@ -154,3 +163,46 @@ def _improved(problem: PlanProblem, budget: float, plan: tuple[int, ...]) -> tup
         if not changed:
             break
     return problem.seconds(current), tuple(current)
+
+
+class Priced:
+    """A second lower bound for the walks under a host budget ``H``, from a price ``p`` per
+    offloaded byte: a whole plan's seconds are at least its priced seconds less ``p * H`` (it
+    moves at most ``H``), and its priced seconds at least a partial plan's own (``score + p *
+    hosted``) plus the priced problem's bound on the layers it has not chosen."""
+
+    def __init__(self, problem: PlanProblem, budget: float, price: float) -> None:
+        host = problem.host_budget_bytes
+        if host is None:
+            raise ValueError("a priced bound needs a host budget")
+        self.price, self.host = price, host
+        self.bounds = Bounds(Costs.of(priced(problem, price)), budget)
+
+    def after(self, i: int, prefix: np.ndarray, score: np.ndarray, hosted: np.ndarray) -> np.ndarray:
+        return score + self.price * (hosted - self.host) + self.bounds.after(i, prefix)
+
+    def before(self, j: int, room: np.ndarray, score: np.ndarray, hosted: np.ndarray) -> np.ndarray:
+        return score + self.price * (hosted - self.host) + self.bounds.before(j, room)
+
+
+def closer(
+    problem: PlanProblem, budget: float, price: float, best: float, bound: float
+) -> tuple[int, ...] | None:
+    """The fastest plan under ``budget`` and the host budget when it takes less than ``best``
+    seconds (a plan known to fit both), ``None`` when none does: walks from both ends keep the
+    states whose seconds plus the larger of the two bounds (the plain one, and ``Priced`` at
+    ``price``) meet a target rising from ``bound`` (a lower bound on the answer) to ``best``.
+    Exact; raises ``_frontier._FrontierTooLarge`` past ``HOSTED_LIMIT`` states."""
+    costs = Costs.of(problem)
+    bounds = Bounds(costs, budget)
+    pricing = Priced(problem, budget, price)
+    slack = 1e-9 * max(abs(best), 1.0)
+    rise = max(best - bound, 0.0) * _frontier.FIRST_TARGET
+    while True:
+        target = min(bound + rise, best)
+        found = _frontier._meet(costs, bounds, budget, target + slack, pricing)
+        if found is not None and found[0] <= target + slack:
+            return found[1] if found[0] < best - slack else None
+        if target >= best:
+            return None
+        rise *= _frontier.RISE

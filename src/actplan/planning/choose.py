@@ -83,10 +83,12 @@ def config_for(
     profile: ModelProfile,
     choices: list[int] | tuple[int, ...],
     made_for: Mapping[str, Any] | None = None,
+    host_cap: int | None = None,
 ) -> RecomputeConfig:
     """The ``RecomputeConfig`` that installs one candidate per layer: the most common choice at
-    the top level, the others as overrides, offloaded layers in one offload block; with
-    ``made_for`` (see ``made_for``) as its header when given."""
+    the top level, the others as overrides, offloaded layers in one offload block (with
+    ``host_cap`` as its pool's cap when given); with ``made_for`` (see ``made_for``) as its
+    header when given."""
     chosen = picked(profile, choices)
     groups: dict[tuple[str, tuple[str, ...]], list[int]] = {}
     for index, candidate in enumerate(chosen):
@@ -109,4 +111,6 @@ def config_for(
         }
         if any(chosen[i].kept_units for i in offloaded):
             data["offload"]["units"] = "kept"
+        if host_cap is not None:
+            data["offload"]["host_cap"] = host_cap
     return RecomputeConfig.from_dict(data, source="planner")

@@ -131,6 +131,7 @@ def estimate(
     workers: int = 1,
     gpus_per_node: int | None = None,
     frontier: bool = False,
+    host_budget_bytes: int | None = None,
 ) -> EstimateResult:
     """Each preset's memory per GPU (requested, allocated and reserved) and estimated step
     time at ``shape`` on one rank of the layout (FSDP over ``fsdp``, tensor parallel over
@@ -142,15 +143,26 @@ def estimate(
     the presets in that many processes at once (``_workers.Workers``; the planner's budgets are
     tried side by side too). ``gpus_per_node`` replaces the GPU's (8): groups within a node run
     their collectives on its GPU link, groups across nodes on the network. ``frontier`` adds the
-    planner's frontier, with and without offload (``EstimateResult.frontiers``). See the module
-    doc."""
+    planner's frontier, with and without offload (``EstimateResult.frontiers``).
+    ``host_budget_bytes``: the pinned host memory per node (default: the node's), shared by this
+    job's GPUs on it; plans keep within it, a row that pins more does not fit. ``gpu``: a name
+    in ``ACCELERATORS`` or an ``Accelerator`` (say, with other links). See the module doc."""
     accel = accelerator(gpu)
     if gpus_per_node is not None:
         if gpus_per_node < 1:
             raise ValueError(f"--gpus-per-node must be 1 or more, got {gpus_per_node}")
         accel = replace(accel, gpus_per_node=gpus_per_node)
+    if host_budget_bytes is not None and not 0 <= host_budget_bytes <= accel.node_host_bytes:
+        raise ValueError(
+            f"--host-budget {human_bytes(host_budget_bytes)} is outside what a node holds: give 0 up to "
+            f"its host memory, {accel.node_host_bytes / 1e12:g} TB ({human_bytes(accel.node_host_bytes)}) "
+            f"on a {accel.name} node"
+        )
     if fsdp < 1:
         raise ValueError(f"--fsdp must be 1 or more ranks, got {fsdp}")
+    node_host = accel.node_host_bytes if host_budget_bytes is None else host_budget_bytes
+    on_node = max(min(fsdp * tp, accel.gpus_per_node), 1)
+    host_per_gpu = node_host / on_node
     if ep > 1 and fsdp % ep:
         raise ValueError(
             f"--ep {ep} must divide --fsdp {fsdp}: expert parallelism takes its ranks from the FSDP "
@@ -205,7 +217,7 @@ def estimate(
         profiling = None
         if profiles and pool.parallel:  # the profile needs no row: it runs beside them
             say("profiling on fake tensors in a worker process, beside them")
-            profiling = pool.submit(shallow_profile, profiled, accel.name)
+            profiling = pool.submit(shallow_profile, profiled, accel)
         stepped = pool.run(
             [(preset_row, (job, name), {}) for name in names],
             lambda index: say(f"stepped {names[index]} ({time.perf_counter() - started:.0f} s)"),
@@ -214,8 +226,10 @@ def estimate(
         _, sizes, static, gathered = stepped[-1]
         if profiles:
             none_row = stepped[names.index("none")][0]
-            profile = pool.result(profiling) if profiling else shallow_profile(profiled, accel.name, say)
-            planner = planner_for(profile, profiled, accel.name, static + gathered, none_row.seconds)
+            profile = pool.result(profiling) if profiling else shallow_profile(profiled, accel, say)
+            planner = planner_for(
+                profile, profiled, accel.name, static + gathered, none_row.seconds, host_per_gpu
+            )
             if frontier:
                 say("the planner's frontier, with and without offload")
                 frontiers = dict(zip(FRONTIER_KINDS, planner.frontiers(), strict=True))
@@ -224,6 +238,7 @@ def estimate(
             stepped_rows = [row for row, *_ in stepped]
             rows += _plans(planner, pool, job, stepped_rows, budget_bytes, accel.memory_bytes, say, refused)
     none_row = next((r for r in rows if r.preset == "none"), None)
+    refused_host: list[str] = []
     peak = accel.fp32_flops if shape.dtype == "fp32" else accel.bf16_flops
     for row in rows:
         row.ratio_to_none = None if none_row is None else row.seconds / none_row.seconds
@@ -231,8 +246,17 @@ def estimate(
         row.mfu = None if none_row is None else none_row.flops / (row.seconds * peak)
         limit = row.budget_bytes if row.budget_bytes is not None else budget_bytes
         row.fits = row.reserved_peak_bytes + row.outside_allocator_bytes <= (limit or accel.memory_bytes)
+        if row.moved is not None and row.moved.host_bytes > host_per_gpu * (1 + 1e-9):
+            row.fits = False
+            refused_host.append(
+                f"{row.preset} pins {human_bytes(row.moved.host_bytes)} of host memory per GPU, "
+                f"{human_bytes(row.moved.host_bytes * on_node)} per node of {on_node} GPU(s): more than its "
+                f"{human_bytes(node_host)}; raise --host-budget (at most the node's "
+                f"{human_bytes(accel.node_host_bytes)}), spread the job over more nodes, or offload less"
+            )
     notes = [
         *(f"no plan: {reason}" for reason in refused),
+        *(f"does not fit the host: {reason}" for reason in refused_host),
         f"times are estimates from a roofline clock for {accel.name} (vendor peaks, no kernel "
         "efficiency); collectives at ring cost on the GPU's links, "
         + (
@@ -284,6 +308,13 @@ def estimate(
         f"code measured: {shape.code if measured else rank_shape.code}"
         + ("; plans profiled on one tensor-parallel rank's share of it" if plans and tp > 1 else "")
     )
+    if profiles or any(row.moved is not None for row in rows):
+        notes.append(
+            f"host: offload's pinned buffers share {human_bytes(node_host)} per node "
+            + ("(--host-budget)" if host_budget_bytes is not None else f"(a {accel.name} node's host memory)")
+            + f" over this job's {on_node} GPU(s) on it, {human_bytes(host_per_gpu)} each; the plans keep "
+            f"within it; copies at {accel.host_link_bytes_per_s / 1e9:g} GB/s per direction"
+        )
     if plans:
         notes.append(
             "plans: profiled and planned on fake tensors with the roofline clock (offload's copies "

@@ -110,7 +110,7 @@ def _solved(problem: PlanProblem, budget: float | None) -> tuple[tuple[int, ...]
         return choices, 0.0
     best = problem.seconds(choices) - problem.base_seconds
     try:
-        closer = _frontier.closer(smaller, budget, price, best, best - gap)
+        closer = _host.closer(smaller, budget, price, best, best - gap)
     except _frontier._FrontierTooLarge:
         return choices, gap  # too deep to close: the priced search's plan, within the gap
     if closer is not None:

@@ -47,7 +47,7 @@ from torch import nn
 
 from actplan._install.apply import apply, find_layers
 from actplan._torch_internals import tree_leaves
-from actplan.measure import MemoryMeter, RooflineClock, copy_module, interleaved_timing
+from actplan.measure import Accelerator, MemoryMeter, RooflineClock, copy_module, interleaved_timing
 from actplan.measure._timing import median_spread, unstolen
 from actplan.models import ModelBundle, loss_of, train_step
 from actplan.planning._cache_key import cache_key
@@ -339,15 +339,16 @@ def profile_model(
     min_bytes: int = DEFAULT_OFFLOAD_MIN_BYTES,
     bandwidth: float | None = None,
     progress: ProgressCallback | None = None,
-    gpu: str | None = None,
+    gpu: str | Accelerator | None = None,
 ) -> ModelProfile:
     """Measure every layer type's candidates and the model's fixed costs (see the module doc).
 
     ``bandwidth`` (bytes/s each way) replaces the measured copy bandwidth in offload's charge.
     ``progress`` receives a ``ProgressEvent`` as each stage completes (default: the
-    ``actplan`` logger at INFO). ``gpu`` (a name in ``measure.ACCELERATORS``) takes every time
-    from that accelerator's roofline clock instead of timing this machine: the way to profile
-    on fake tensors (``measure.FakeRun``), where memory is exact and time does not exist.
+    ``actplan`` logger at INFO). ``gpu`` (a name in ``measure.ACCELERATORS``, or an
+    ``Accelerator``) takes every time from that accelerator's roofline clock instead of timing
+    this machine: the way to profile on fake tensors (``measure.FakeRun``), where memory is
+    exact and time does not exist.
     """
     started = time.perf_counter()
     tracker = ProgressTracker(progress, total=_MODEL_STEPS, prefix="profiling: ")

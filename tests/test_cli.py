@@ -74,6 +74,9 @@ def test_bench_offload_rows_report_host_tier_and_bytes_moved(tmp_path):
     assert offloaded.offloaded_bytes > 0 and offloaded.reloaded_bytes == offloaded.offloaded_bytes
     assert offloaded.host_peak_bytes >= offloaded.offloaded_bytes
     assert full.activation_bytes - offloaded.activation_bytes == offloaded.offloaded_bytes
+    # The prediction times the copies on the clock's copy streams, as an estimate does: the
+    # first reload backward meets is asked for where it is used, so the compute waits for it.
+    assert offloaded.predicted_ratio > full.predicted_ratio
     assert "## Offload" in to_markdown(result)
 
 

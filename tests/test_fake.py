@@ -11,7 +11,14 @@ import pytest
 import torch
 
 import actplan
-from actplan.measure import FakeRun, FakeValueError, MemoryMeter, RoutingRecorder, balanced_counts
+from actplan.measure import (
+    FakeRun,
+    FakeValueError,
+    MemoryMeter,
+    RooflineClock,
+    RoutingRecorder,
+    balanced_counts,
+)
 from actplan.models import load_model, train_step
 
 PRESETS = ["none", "full", "attn", "matmuls", "megatron-selective"]
@@ -149,10 +156,13 @@ def _offloaded_step(bundle, config, device, recorder=None):
     engine.pool.trace = []
     optimizer = torch.optim.AdamW(bundle.model.parameters(), lr=1e-4)
     meter = MemoryMeter(bundle.model, optimizer)
-    for seed in range(2):  # the second step reuses the pool's buffers
-        with recorder if recorder is not None else contextlib.nullcontext(), meter:
+    clock = RooflineClock("h100")
+    engine.time_copies(clock.copy_timer())
+    for seed in range(2):  # the second step reuses the pool's buffers; the clock times it
+        timed = clock if seed else contextlib.nullcontext()
+        with recorder if recorder is not None else contextlib.nullcontext(), meter, timed:
             train_step(bundle.model, bundle.batch(seed, device), optimizer, seed=seed)
-    return meter.report(), engine.snapshot(), engine.pool.trace
+    return meter.report(), engine.snapshot(), engine.pool.trace, (clock.seconds, clock.exposed_copies_seconds)
 
 
 @pytest.mark.parametrize("model", ["dense", "moe"])
@@ -163,16 +173,21 @@ def test_offload_moves_the_same_bytes_on_fake_tensors_as_on_real_ones(model, off
     recorder = RoutingRecorder()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the small pool's fallback warning, in both runs
-        real, real_moved, real_host = _offloaded_step(
+        real, real_moved, real_host, real_clock = _offloaded_step(
             load_model(model, "tiny"), OFFLOADS[offload], torch.device("cpu"), recorder
         )
         with FakeRun(routing=recorder.counts or "balanced") as fake:
-            estimate, moved, host = _offloaded_step(load_model(model, "tiny"), OFFLOADS[offload], fake.device)
+            estimate, moved, host, clock = _offloaded_step(
+                load_model(model, "tiny"), OFFLOADS[offload], fake.device
+            )
     assert real_moved.bytes_offloaded > 0
     assert estimate.timeline == real.timeline
     assert estimate.peak_bytes == real.peak_bytes
     assert host == real_host and max(host) > 0
     assert moved == real_moved
+    # A real run's copies are timed as an estimate's are: the same step, the same waits.
+    assert clock == pytest.approx(real_clock, rel=1e-9, abs=1e-15)
+    assert real_clock[1] > 0 or "1 layer" in offload
 
 
 @pytest.mark.parametrize("preset", ["none", "full", "matmuls"])

@@ -24,6 +24,7 @@ __all__ = [
     "ShapeOnlyCopies",
     "StreamCopies",
     "SyncCopies",
+    "TimedCopies",
     "event_done",
     "size_class",
 ]
@@ -319,6 +320,55 @@ class SyncCopies:
     @staticmethod
     def use(event: Any) -> None:
         pass
+
+
+class TimedCopies:
+    """A real copy back-end whose copies a ``timer`` (a roofline clock's ``copy_timer``) also
+    places on its copy streams, as ``ShapeOnlyCopies`` does for fake tensors: a measured run's
+    prediction then charges the same exposed copy time an estimate does. The copies themselves
+    run outside any dispatch mode (the clock would count them on its compute stream)."""
+
+    def __init__(self, inner: Any, timer: Any) -> None:
+        self.inner, self.timer = inner, timer
+
+    def copy_out(self, source: torch.Tensor, host: torch.Tensor) -> TimedEvent:
+        with _disable_current_modes():
+            event = self.inner.copy_out(source, host)
+        return TimedEvent(event, self.timer.copy_out(host.numel()))
+
+    def copy_in(self, host: torch.Tensor, target: torch.Tensor, after: Any) -> TimedEvent:
+        with _disable_current_modes():
+            event = self.inner.copy_in(host, target, TimedEvent.real(after))
+        return TimedEvent(event, self.timer.copy_in(host.numel(), TimedEvent.timed(after)))
+
+    def keep_until_done(self, tensor: torch.Tensor, event: Any) -> None:
+        self.inner.keep_until_done(tensor, TimedEvent.real(event))
+
+    def use(self, event: Any) -> None:
+        self.inner.use(TimedEvent.real(event))
+        self.timer.use(TimedEvent.timed(event))
+
+
+@dataclass
+class TimedEvent:
+    """A ``TimedCopies`` copy: the back-end's event (waited on as one) and the clock's."""
+
+    event: Any
+    done: Any
+
+    def query(self) -> bool:
+        return event_done(self.event)
+
+    def synchronize(self) -> None:
+        wait_event(self.event)
+
+    @staticmethod
+    def real(event: Any) -> Any:
+        return event.event if isinstance(event, TimedEvent) else event
+
+    @staticmethod
+    def timed(event: Any) -> Any:
+        return event.done if isinstance(event, TimedEvent) else None
 
 
 class ShapeOnlyCopies:

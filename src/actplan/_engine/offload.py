@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from actplan._callsite import warn
-from actplan._engine.host_pool import HostPool, ShapeOnlyCopies, StreamCopies, SyncCopies
+from actplan._engine.host_pool import HostPool, ShapeOnlyCopies, StreamCopies, SyncCopies, TimedCopies
 from actplan._engine.offload_moves import Group, Handle, Moved, OffloadedTensorMutatedError
 from actplan._storage import owned_storages, storage_keys
 from actplan._torch_internals import (
@@ -164,11 +164,13 @@ class OffloadEngine:
         copies = self._copies.get(device)
         if copies is None:
             copies = self._copies[device] = self._make_copies(device)
-        return copies
+        timer = self._fake_copies.timer
+        return copies if timer is None else TimedCopies(copies, timer)
 
     def time_copies(self, timer: Any) -> None:
-        """Time the copies of fake tensors with ``timer`` (``RooflineClock.copy_timer()``): an
-        estimate's offload then costs what its copies cannot hide behind the compute."""
+        """Time the copies with ``timer`` (``RooflineClock.copy_timer()``; ``None`` stops):
+        an estimate's offload, or a measured run's prediction, then costs what its copies
+        cannot hide behind the compute. Real copies still run as they do."""
         self._fake_copies.timer = timer
 
     # -- forward --------------------------------------------------------------------------

@@ -179,12 +179,16 @@ def _metered_step(contender: Contender, batch: dict[str, torch.Tensor], compiled
         engine.reset_stats()
     # A plain dispatch mode would make torch.compile run the eager code: no clock on compiled rows.
     clock = None if compiled else RooflineClock(ROOFLINE_GPU)
+    if engine is not None:  # its copies on the clock's copy streams, as an estimate's are
+        engine.time_copies(None if clock is None else clock.copy_timer())
     with (
         MemoryMeter(model, contender.optimizer, run_compiled=compiled) as meter,
         clock if clock is not None else contextlib.nullcontext(),
     ):
         contender_step(contender, batch, seed=1, meter=meter)
     contender.clock = clock
+    if engine is not None:
+        engine.time_copies(None)
     report = meter.report()
     if engine is not None:
         stats = engine.snapshot()
@@ -236,17 +240,10 @@ def policy_rows(contenders: list[Contender], timings: dict[str, TimingStats]) ->
 
 
 def predicted_seconds(contender: Contender) -> float | None:
-    """The roofline clock's step time for ``contender``: compute, or the host-link copies of an
-    offloading row where they take longer (the engine overlaps them with compute)."""
-    clock = contender.clock
-    if clock is None:
-        return None
-    seconds = clock.seconds
-    if contender.moved is not None:
-        _, offloaded, reloaded = contender.moved
-        link = clock.accelerator.host_link_bytes_per_s
-        seconds = max(seconds, offloaded / link, reloaded / link)
-    return seconds
+    """The roofline clock's step time for ``contender``: its compute and what the compute
+    waits for, an offloading row's copies included (timed on the clock's copy streams at the
+    host link, as an estimate's are)."""
+    return None if contender.clock is None else contender.clock.seconds
 
 
 def _policy_row(contender: Contender, baseline: StepCapture, timings: dict[str, TimingStats]) -> PolicyRow:

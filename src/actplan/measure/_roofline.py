@@ -365,6 +365,8 @@ class RooflineClock(TorchDispatchMode):
         return max(flops / peak, bytes_moved / accel.hbm_bytes_per_s)
 
 
+# Ops that launch no kernel: allocations, and pointing a tensor at another storage (offload's
+# reload on real tensors; a fake one is rebuilt by views, which cost nothing either).
 _ALLOCATES_ONLY = frozenset(
     (
         _aten.empty.memory_format,
@@ -372,6 +374,8 @@ _ALLOCATES_ONLY = frozenset(
         _aten.new_empty.default,
         _aten.new_empty_strided.default,
         _aten.empty_like.default,
+        _aten.set_.source_Storage_storage_offset,
+        _aten.set_.source_Storage,
     )
 )
 

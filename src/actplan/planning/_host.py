@@ -114,8 +114,6 @@ def within_host(
         else:
             low = middle
     assert best is not None
-    if best[0] - bound > 1e-9 * max(abs(best[0]), 1.0):
-        best = _improved(problem, budget, best[1])
     return best[1], max(best[0] - bound, 0.0), bound_price
 
 
@@ -141,28 +139,6 @@ def _towards(
         if problem.host_fits(trial) and problem.peak(trial) <= budget:
             plan = trial
     return tuple(plan)
-
-
-def _improved(problem: PlanProblem, budget: float, plan: tuple[int, ...]) -> tuple[float, tuple[int, ...]]:
-    """``plan`` improved one layer at a time: each layer takes the fastest of its candidates
-    that keeps the plan within both budgets, sweeping the stack until no layer changes (a
-    handful of sweeps; each layer's choice only ever gets faster)."""
-    current = list(plan)
-    for _ in range(len(current)):
-        changed = False
-        for i, candidates in enumerate(problem.layers):
-            order = sorted(range(len(candidates)), key=lambda c: candidates[c].extra_seconds)
-            for c in order:
-                if candidates[c].extra_seconds >= candidates[current[i]].extra_seconds:
-                    break
-                trial = [*current]
-                trial[i] = c
-                if problem.host_fits(trial) and problem.peak(trial) <= budget:
-                    current, changed = trial, True
-                    break
-        if not changed:
-            break
-    return problem.seconds(current), tuple(current)
 
 
 class Priced:

@@ -113,7 +113,8 @@ def within_host(
             high = middle
         else:
             low = middle
-    assert best is not None
+    if best is None:  # the doubling stopped at a price where a plan fit: it was kept
+        raise RuntimeError("internal error: the priced search kept no plan; please report it")
     return best[1], max(best[0] - bound, 0.0), bound_price
 
 

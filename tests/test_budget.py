@@ -89,6 +89,20 @@ def test_plan_at_a_mid_budget_runs_under_it_as_predicted(which, dense, moe, cach
 
 
 @pytest.mark.slow
+def test_a_host_budget_keeps_the_plan_off_the_host(dense, cache, tmp_path):
+    bundle, profile = dense
+    lowest, choices = minimum_peak(profile.problem(0))
+    assert profile.problem().host_bytes(choices) == 0
+    budget = int((lowest + profile.none_peak_bytes) / 2)
+    result = plan_under_budget(
+        bundle, "model_factories:dense_long", budget, CPU, out=tmp_path / "plan.yaml", plot=None,
+        run=False, cache_dir=cache, repeats=3, min_bytes=0, host_budget_bytes=0,
+    )  # fmt: skip
+    assert result.solution["predicted_peak_bytes"] <= budget
+    assert "offload" not in RecomputeConfig.from_file(tmp_path / "plan.yaml").to_dict()
+
+
+@pytest.mark.slow
 def test_config_for_round_trips_every_chosen_candidate(moe):
     bundle, profile = moe
     problem = profile.problem()

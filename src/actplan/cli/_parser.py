@@ -289,6 +289,11 @@ def _add_plan(sub) -> None:
     )
     parser.add_argument("--no-run", action="store_true", help="solve and write only")
     parser.add_argument(
+        "--host-budget",
+        metavar="SIZE",
+        help="pinned host memory the plan's offload may use, e.g. 64GiB (default: no bound)",
+    )
+    parser.add_argument(
         "--budget-of",
         choices=("reserved", "requested"),
         help="what --budget bounds: reserved (the default on CUDA: the caching allocator's segments, "

@@ -104,6 +104,7 @@ def plan(args: argparse.Namespace, console: Console) -> int:
     if args.sweep:
         return _sweep(args, console)
     parse_budget(args.budget, none_peak_bytes=1.0)  # a malformed budget fails before any work
+    host = None if args.host_budget is None else parse_bytes(args.host_budget, round_down=True)
     if note := rounding_note(args.budget):
         console.print(f"note: --budget {note}")
     bundle, device, options = _profile_inputs(args)
@@ -120,6 +121,7 @@ def plan(args: argparse.Namespace, console: Console) -> int:
             progress=progress,
             sweep_command=f"actplan plan {profile_options(args)} --sweep",
             budget_of=args.budget_of,
+            host_budget_bytes=host,
         )
     for note in result.notes:
         console.print(f"[yellow]note:[/] {note}")
@@ -202,7 +204,8 @@ def _sweep(args: argparse.Namespace, console: Console) -> int:
     bundle, device, options = _profile_inputs(args)
     with _profiling(console, args.quiet) as progress:
         measured, _ = get_profile(bundle, args.model, device, **options, progress=progress)
-    solutions = pareto_front(measured.problem())
+    host = None if args.host_budget is None else parse_bytes(args.host_budget, round_down=True)
+    solutions = pareto_front(measured.problem(host))
     front = sweep(measured, solutions)
     console.print(sweep_table(measured.model, front, plan_summary))
     _timing_warning(console, measured)

@@ -6,7 +6,6 @@ measure and models.
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
@@ -17,11 +16,11 @@ from actplan.config import RecomputeConfig
 from actplan.measure import Accelerator, FakeRun
 from actplan.models import build_for_shape
 from actplan.models.shape import DTYPES, Shape
-from actplan.planning.choose import config_for, made_for
+from actplan.planning.choose import config_for, host_cap_for, made_for
 from actplan.planning.planner import BudgetError, minimum_peak, none_peak, plan_summary, solve
 from actplan.planning.profile import ModelProfile, profile_model
 from actplan.progress import PlainLines
-from actplan.sizes import DEFAULT_HOST_CAP_BYTES, human_bytes
+from actplan.sizes import human_bytes
 
 __all__ = [
     "FrontierPoint",
@@ -194,14 +193,6 @@ class Planner:
         solution = solve(self.problem, budget)  # BudgetError names the feasible range
         ratio = solution.predicted_seconds / self.problem.base_seconds
         return self.config_of(solution.choices, gpu_budget), solution.predicted_peak_bytes, ratio
-
-
-def host_cap_for(host_bytes: float) -> int | None:
-    """The offload pool cap a plan moving ``host_bytes`` to the host needs, when the default
-    (16 GiB) is too small: those bytes and an eighth more (the pool's size classes round each
-    buffer up by less than that), in whole GiB."""
-    needed = math.ceil(host_bytes * 9 / 8 / 2**30) * 2**30
-    return needed if needed > DEFAULT_HOST_CAP_BYTES else None
 
 
 def shallow_profile(

@@ -237,8 +237,9 @@ class ModelProfile:
         key = self.layer_type_of[index]
         return next(t for t in self.layer_types if t.key == key)
 
-    def problem(self) -> PlanProblem:
-        """The planner's input: every layer's candidates with their measured costs."""
+    def problem(self, host_budget_bytes: float | None = None) -> PlanProblem:
+        """The planner's input: every layer's candidates with their measured costs (their
+        offloaded bytes within ``host_budget_bytes``, when given)."""
         layers = []
         for index in range(len(self.layer_type_of)):
             layers.append(
@@ -259,6 +260,7 @@ class ModelProfile:
             layer_extra_bytes=tuple(self.layer_backward_extra_bytes),
             head_transient_bytes=self.head_transient_bytes,
             prefetch_layers=self.prefetch_layers,
+            host_budget_bytes=host_budget_bytes,
         )
 
     def loose_timings(self) -> list[tuple[str, str, float]]:

@@ -74,12 +74,13 @@ def fit_reserved(
     solution: Solution,
     device: torch.device,
     settings: AllocatorSettings,
+    host_budget_bytes: float | None = None,
 ) -> ReservedFit:
     """The fastest plan whose modelled reserved peak is within ``budget_bytes``, starting from
     ``solution`` (the planner's for requested bytes): at most ``TRIES`` plans are stepped. When
     none fits, a ``BudgetError`` says what the last one reserves: no plan is written as fitting
     a budget it does not fit."""
-    problem = profile.problem()
+    problem = profile.problem(host_budget_bytes)
     allowed = budget_bytes
     notes: list[str] = []
     for attempt in range(TRIES):

@@ -30,7 +30,7 @@ from actplan.models import ModelBundle, train_step
 from actplan.planning._records import ModelProfile
 from actplan.planning._reserved import fit_reserved
 from actplan.planning.cache import get_profile
-from actplan.planning.choose import config_for, made_for, picked
+from actplan.planning.choose import config_for, host_cap_for, made_for, picked
 from actplan.planning.planner import (
     BudgetError,
     PlanProblem,
@@ -188,6 +188,7 @@ def plan_under_budget(
     sweep_command: str | None = None,
     budget_of: str | None = None,
     allocator: AllocatorSettings | None = None,
+    host_budget_bytes: float | None = None,
 ) -> BudgetPlanResult:
     """Profile (or reuse the cache), solve for ``budget``, write the plan, run and check it.
 
@@ -199,7 +200,8 @@ def plan_under_budget(
     ``budget_of`` is what the budget bounds: ``"reserved"`` (the default on CUDA: what the
     caching allocator reserves, modelled from the plan's own allocation trace under
     ``allocator``, else the environment's ``PYTORCH_ALLOC_CONF``; see ``_reserved``) or
-    ``"requested"`` (the default elsewhere: the bytes tensors request)."""
+    ``"requested"`` (the default elsewhere: the bytes tensors request). ``host_budget_bytes``
+    bounds what the plan offloads to pinned host memory (default: no bound)."""
     profile, from_cache = get_profile(
         bundle,
         spec,
@@ -214,12 +216,12 @@ def plan_under_budget(
     if sweep_command is None:
         size = "" if ":" in spec else f" --size {bundle.size}"
         sweep_command = f"actplan plan --model {shlex.quote(spec)}{size} --sweep"
-    budget_bytes, solution, notes = _solve_for(profile, budget, sweep_command)
+    budget_bytes, solution, notes = _solve_for(profile, budget, sweep_command, host_budget_bytes)
     budget_of = budget_of or ("reserved" if device.type == "cuda" else "requested")
     reserved = None
     if budget_of == "reserved":
         settings = allocator or settings_from_env()
-        fit = fit_reserved(bundle, profile, budget_bytes, solution, device, settings)
+        fit = fit_reserved(bundle, profile, budget_bytes, solution, device, settings, host_budget_bytes)
         solution, reserved = fit.solution, fit.report.peak_reserved_bytes
         notes += [
             f"the budget bounds the caching allocator's reserved peak ({settings.describe()}), "
@@ -270,11 +272,14 @@ def plan_under_budget(
     return plan_result
 
 
-def _solve_for(profile: ModelProfile, budget: str, sweep_command: str) -> tuple[float, Solution, list[str]]:
-    """The budget in bytes, the fastest plan under it (a ``BudgetError`` showing the trade-off
-    when none fits) and notes on the budget."""
+def _solve_for(
+    profile: ModelProfile, budget: str, sweep_command: str, host_budget_bytes: float | None = None
+) -> tuple[float, Solution, list[str]]:
+    """The budget in bytes, the fastest plan under it (and within ``host_budget_bytes`` of
+    pinned host memory; a ``BudgetError`` showing the trade-off when none fits) and notes on
+    the budget."""
     budget_bytes = parse_budget(budget, profile.none_peak_bytes)
-    problem = profile.problem()
+    problem = profile.problem(host_budget_bytes)
     try:
         solution = solve(problem, budget_bytes)
     except BudgetError as err:
@@ -298,7 +303,8 @@ def _write_plan(
 ) -> RecomputeConfig:
     """The config of ``solution`` with its ``made_for`` ``header``, checked against the
     candidates, written to ``out`` if given (a YAML file with every layer's choice in comments)."""
-    config = config_for(profile, solution.choices, header)
+    host = profile.problem().host_bytes(solution.choices)
+    config = config_for(profile, solution.choices, header, host_cap_for(host))
     plan = _check_resolution(bundle, profile, solution, config)
     if out is not None:
         Path(out).parent.mkdir(parents=True, exist_ok=True)

@@ -9,6 +9,7 @@ planning records (a candidate's config entry, the profile types).
 from __future__ import annotations
 
 import importlib.metadata
+import math
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -19,6 +20,7 @@ from actplan._install.plan import format_indices
 from actplan.config import RecomputeConfig
 from actplan.config._made_for import class_ranges
 from actplan.planning._records import choice_of
+from actplan.sizes import DEFAULT_HOST_CAP_BYTES
 
 if TYPE_CHECKING:
     from actplan.models import ModelBundle
@@ -77,6 +79,14 @@ def _version() -> str | None:
         return importlib.metadata.version("actplan")
     except importlib.metadata.PackageNotFoundError:
         return None
+
+
+def host_cap_for(host_bytes: float) -> int | None:
+    """The offload pool cap a plan moving ``host_bytes`` to the host needs, when the default
+    (16 GiB) is too small: those bytes and an eighth more (the pool's size classes round each
+    buffer up by less than that), in whole GiB."""
+    needed = math.ceil(host_bytes * 9 / 8 / 2**30) * 2**30
+    return needed if needed > DEFAULT_HOST_CAP_BYTES else None
 
 
 def config_for(

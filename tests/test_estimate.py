@@ -469,7 +469,7 @@ def test_a_host_budget_bounds_the_plans_and_the_links_can_be_named(tmp_path, cap
 
 
 def test_a_plan_pinning_more_than_the_default_pool_raises_its_cap():
-    from actplan.planning._estimate_plans import host_cap_for
+    from actplan.planning.choose import host_cap_for
     from actplan.sizes import DEFAULT_HOST_CAP_BYTES
 
     assert host_cap_for(0) is None and host_cap_for(DEFAULT_HOST_CAP_BYTES * 0.8) is None

@@ -164,7 +164,7 @@ class OffloadEngine:
         copies = self._copies.get(device)
         if copies is None:
             copies = self._copies[device] = self._make_copies(device)
-        timer = self._fake_copies.timer
+        timer = self._fake_copies.timer  # the one ``time_copies`` set, for both kinds
         return copies if timer is None else TimedCopies(copies, timer)
 
     def time_copies(self, timer: Any) -> None:

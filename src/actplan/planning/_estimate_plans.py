@@ -16,7 +16,7 @@ from actplan.config import RecomputeConfig
 from actplan.measure import Accelerator, FakeRun
 from actplan.models import build_for_shape
 from actplan.models.shape import DTYPES, Shape
-from actplan.planning.choose import config_for, host_cap_for, made_for
+from actplan.planning.choose import config_for, made_for
 from actplan.planning.planner import BudgetError, minimum_peak, none_peak, plan_summary, solve
 from actplan.planning.profile import ModelProfile, profile_model
 from actplan.progress import PlainLines
@@ -180,12 +180,7 @@ class Planner:
         """The plan of ``choices`` (indices into each layer's candidates), its ``made_for``
         block naming the GPU memory ``gpu_budget`` it is meant to fit."""
         budget_block = {"budget": human_bytes(gpu_budget), "budget_bytes": gpu_budget, "budget_of": "gpu"}
-        return config_for(
-            self.profile,
-            choices,
-            {**self.made_for, **budget_block},
-            host_cap_for(self.problem.host_bytes(choices)),
-        )
+        return config_for(self.profile, choices, {**self.made_for, **budget_block})
 
     def plan(self, budget: int, gpu_budget: int) -> tuple[RecomputeConfig, float, float]:
         """The plan for ``budget`` requested bytes, its ``made_for`` block naming the GPU memory

@@ -20,7 +20,8 @@ if TYPE_CHECKING:
 
 # The frontier solver gives up (and the MILP answers) past this many states in one layer;
 # under a host budget that binds, past fewer: partial plans then differ in their offloaded
-# totals too, a third dimension whose frontiers grow fast on deep stacks, where HiGHS is quicker.
+# totals too, a third dimension whose frontiers grow fast on deep stacks (the priced search's
+# plan answers then, ``_host``; the MILP where there is no device budget).
 FRONTIER_LIMIT = 400_000
 HOSTED_LIMIT = 100_000
 # States the beam pass keeps besides each tail's least-bytes one: it finds a plan that fits,

@@ -77,11 +77,10 @@ def within_host(
     best: tuple[float, tuple[int, ...]] | None = None
     bound = problem.seconds(free)  # the fastest plan with no host budget bounds it from below
     bound_price = 0.0
-    over = free  # the last plan that moved too much
 
     def at(price: float) -> bool:
         """Solve at ``price``; keep the plan if it fits and the bound; whether it fit."""
-        nonlocal best, bound, bound_price, over
+        nonlocal best, bound, bound_price
         choices = fastest(priced(problem, price), budget)
         if choices is None:  # the device budget alone admits a plan, so a priced one does too
             raise RuntimeError("internal error: a priced problem has no plan; please report it")
@@ -90,12 +89,9 @@ def within_host(
         if seconds + price * (moved - host) > bound:
             bound, bound_price = seconds + price * (moved - host), price
         if problem.host_fits(choices):
-            choices = _towards(problem, budget, choices, over)
-            seconds = problem.seconds(choices)
             if best is None or seconds < best[0]:
                 best = (seconds, choices)
             return True
-        over = choices
         return False
 
     low, high = 0.0, _first_price(problem)
@@ -116,30 +112,6 @@ def within_host(
     if best is None:  # the doubling stopped at a price where a plan fit: it was kept
         raise RuntimeError("internal error: the priced search kept no plan; please report it")
     return best[1], max(best[0] - bound, 0.0), bound_price
-
-
-def _towards(
-    problem: PlanProblem, budget: float, fits: tuple[int, ...], over: tuple[int, ...]
-) -> tuple[int, ...]:
-    """``fits`` (a plan within both budgets) with layers switched to ``over``'s choice (a faster
-    plan that moves too much) one at a time, most seconds saved per byte moved first, each kept
-    when the plan still fits both budgets and is faster: the bisection's plans differ in a few
-    layers, and the budget often leaves room for some of the faster choices."""
-    plan = list(fits)
-    gains = []
-    for i, (mine, theirs) in enumerate(zip(fits, over, strict=True)):
-        if mine == theirs:
-            continue
-        a, b = problem.layers[i][mine], problem.layers[i][theirs]
-        saved = a.extra_seconds - b.extra_seconds
-        if saved > 0:
-            gains.append((-saved / max(b.offloaded_bytes - a.offloaded_bytes, 1.0), i))
-    for _, i in sorted(gains):
-        trial = [*plan]
-        trial[i] = over[i]
-        if problem.host_fits(trial) and problem.peak(trial) <= budget:
-            plan = trial
-    return tuple(plan)
 
 
 class Priced:

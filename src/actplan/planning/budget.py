@@ -30,7 +30,7 @@ from actplan.models import ModelBundle, train_step
 from actplan.planning._records import ModelProfile
 from actplan.planning._reserved import fit_reserved
 from actplan.planning.cache import get_profile
-from actplan.planning.choose import config_for, host_cap_for, made_for, picked
+from actplan.planning.choose import config_for, made_for, picked
 from actplan.planning.planner import (
     BudgetError,
     PlanProblem,
@@ -303,8 +303,7 @@ def _write_plan(
 ) -> RecomputeConfig:
     """The config of ``solution`` with its ``made_for`` ``header``, checked against the
     candidates, written to ``out`` if given (a YAML file with every layer's choice in comments)."""
-    host = profile.problem().host_bytes(solution.choices)
-    config = config_for(profile, solution.choices, header, host_cap_for(host))
+    config = config_for(profile, solution.choices, header)
     plan = _check_resolution(bundle, profile, solution, config)
     if out is not None:
         Path(out).parent.mkdir(parents=True, exist_ok=True)

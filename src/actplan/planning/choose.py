@@ -93,12 +93,11 @@ def config_for(
     profile: ModelProfile,
     choices: list[int] | tuple[int, ...],
     made_for: Mapping[str, Any] | None = None,
-    host_cap: int | None = None,
 ) -> RecomputeConfig:
     """The ``RecomputeConfig`` that installs one candidate per layer: the most common choice at
-    the top level, the others as overrides, offloaded layers in one offload block (with
-    ``host_cap`` as its pool's cap when given); with ``made_for`` (see ``made_for``) as its
-    header when given."""
+    the top level, the others as overrides, offloaded layers in one offload block (its pool's
+    cap raised when the default is too small, ``host_cap_for``); with ``made_for`` (see
+    ``made_for``) as its header when given."""
     chosen = picked(profile, choices)
     groups: dict[tuple[str, tuple[str, ...]], list[int]] = {}
     for index, candidate in enumerate(chosen):
@@ -121,6 +120,7 @@ def config_for(
         }
         if any(chosen[i].kept_units for i in offloaded):
             data["offload"]["units"] = "kept"
+        host_cap = host_cap_for(sum(candidate.offloaded_bytes for candidate in chosen))
         if host_cap is not None:
             data["offload"]["host_cap"] = host_cap
     return RecomputeConfig.from_dict(data, source="planner")

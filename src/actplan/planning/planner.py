@@ -118,15 +118,11 @@ def _solved(problem: PlanProblem, budget: float | None) -> tuple[tuple[int, ...]
     return choices, 0.0
 
 
-def _frontier_or_milp(
-    problem: PlanProblem, budget: float | None, fallback: bool = True
-) -> tuple[int, ...] | None:
+def _frontier_or_milp(problem: PlanProblem, budget: float | None) -> tuple[int, ...] | None:
     smaller, keep = _frontier.reduced(problem)
     try:
         choices = _frontier.search(smaller, budget)
     except _frontier._FrontierTooLarge:
-        if not fallback:
-            raise
         return _milp.milp(problem, budget)
     if choices is None:
         return None

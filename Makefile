@@ -34,7 +34,7 @@ test: lint
 	$(VENV)/bin/pytest -q -m ranks
 
 bench: $(STAMP)
-	$(VENV)/bin/actplan bench --json bench/results/bench_dense_small.json --markdown bench/results/bench_dense_small.md
+	$(VENV)/bin/actplan bench --size small --json bench/results/bench_dense_small.json --markdown bench/results/bench_dense_small.md
 	$(PY) -m bench.goals bench/results/bench_dense_small.json
 
 peers: $(STAMP)

@@ -1,6 +1,7 @@
 """The project's performance goals for ``actplan bench``, stated on its JSON results.
 
-    actplan bench --json bench/results/bench_dense_small.json --markdown bench/results/bench_dense_small.md
+    actplan bench --size small --json bench/results/bench_dense_small.json \
+        --markdown bench/results/bench_dense_small.md
     python -m bench.goals bench/results/bench_dense_small.json    # adds the goals to both files
 
 The library's bench measures and reports; whether the figures meet the goals set for the core

@@ -217,7 +217,7 @@ def test_torch_memtracker_agrees_on_the_fake_peak(preset):
     assert activations > ours.param_bytes  # the regime the comparison is meant for
 
 
-@pytest.mark.parametrize("model", ["dense", "moe", "hf-llama"])
+@pytest.mark.parametrize("model", ["dense", "moe", "mtp", "sparse", "hf-llama"])
 def test_the_long_size_is_activation_dominated_as_llm_training_is(model):
     """The benches' ``long`` size: activations alive at the end of forward are at least twice
     the parameters, gradients and AdamW state, and two thirds of the step's peak without

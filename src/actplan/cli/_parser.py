@@ -29,7 +29,10 @@ MODEL_HELP = (
     f"{', '.join(hf_models.REFERENCE_KINDS)}), or package.module:factory"
 )
 DEFAULT_SIZE = "small"
-"""The one ``--size`` default of every command."""
+"""The ``--size`` default of every command but ``bench``."""
+BENCH_SIZE = "long"
+"""``actplan bench``'s default size: activations dominate the peak, as in LLM training, so its
+first table shows memory traded for time (at ``small`` AdamW's state sets most rows' peak)."""
 SIZE_HELP = "size of a built-in model (tiny, small, long: activations dominate)"
 
 
@@ -69,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_bench(sub) -> None:
     parser = sub.add_parser("bench", help="measure every policy side by side on a reference model")
     parser.add_argument("--model", default="dense", help=MODEL_HELP)
-    parser.add_argument("--size", default=DEFAULT_SIZE, help=SIZE_HELP)
+    parser.add_argument("--size", default=BENCH_SIZE, help=SIZE_HELP)
     parser.add_argument(
         "--policies",
         default=",".join(DEFAULT_POLICIES),
@@ -325,7 +328,7 @@ def _add_units(sub) -> None:
     parser = sub.add_parser("units", help="list the recompute units (all, or those a model declares)")
     parser.add_argument("--model", help="only the units this model declares (any --model form)")
     parser.add_argument(
-        "--size", default=DEFAULT_SIZE, help="size of a built-in model given with --model (tiny, small)"
+        "--size", default=DEFAULT_SIZE, help="size of a built-in model given with --model (tiny, small, long)"
     )
 
 

@@ -79,6 +79,10 @@ PRESETS: dict[str, MTPConfig] = {
     # Six main layers and two depths: eight transformer blocks, like dense small,
     # plus two more passes through the head. About 0.7 s per step on two CPU cores.
     "small": MTPConfig(n_layers=6, mtp_depths=2),
+    # Activations dominate (see dense's "long"): 2 x 1024 tokens through four main layers
+    # and two depths of a narrow model.
+    "long": MTPConfig(dim=256, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=768, max_seq_len=1024,
+                      batch_size=2, seq_len=1024, mtp_depths=2),
 }
 
 

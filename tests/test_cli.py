@@ -307,3 +307,27 @@ def test_version_and_the_headline_command_in_the_help(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])
     assert "estimate (does a real-scale run fit" in " ".join(capsys.readouterr().out.split())
+
+
+_BOX = set("│┃┏┗┡└┌")
+
+
+def _table_widths(printed: str) -> list[int]:
+    return [len(line.rstrip()) for line in printed.splitlines() if _BOX & set(line)]
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:.*moved nothing in this call")  # the tiny shape's offload row
+def test_tables_fit_a_100_column_terminal_when_piped_and_follow_columns(capsys, monkeypatch):
+    # Piped output with no COLUMNS (the tests' conftest drops it) is 100 columns: a table never
+    # breaks when pasted into a 100-column terminal. A run with COLUMNS gets that width.
+    estimate = ["estimate", "--model", "dense", "--layers", "2", "--hidden", "64", "--heads", "4"]
+    estimate += ["--kv-heads", "2", "--ffn", "128", "--vocab", "128", "--seq", "32", "--batch", "2"]
+    estimate += ["--presets", "none,full,full+offload", "--budget", "1GiB", "--frontier", "--quiet"]
+    for argv in (estimate, ["profile", "--model", "dense", "--size", "tiny", "--quiet"], ["units"]):
+        assert main(argv) == 0
+        widths = _table_widths(capsys.readouterr().out)
+        assert widths and max(widths) <= 100, (argv[0], max(widths))
+    monkeypatch.setenv("COLUMNS", "72")
+    assert main(["units"]) == 0
+    assert max(_table_widths(capsys.readouterr().out)) == 72

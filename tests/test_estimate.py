@@ -409,8 +409,8 @@ def test_cli_prints_the_table_and_writes_json(tmp_path, capsys):
     args = ["estimate", "--model", "dense", "--layers", "2", "--hidden", "64", "--heads", "4"]
     args += ["--kv-heads", "2", "--ffn", "128", "--vocab", "128", "--seq", "32", "--batch", "2"]
     assert main([*args, "--presets", "none,full", "--budget", "1GiB", "--json", str(out), "--quiet"]) == 0
-    printed = capsys.readouterr().out
-    assert "estimated on fake tensors" in printed and "times are estimates" in printed
+    printed = " ".join(capsys.readouterr().out.split())
+    assert "Estimated on fake tensors" in printed and "times are estimates" in printed
     assert "fastest under 1GiB: none" in printed
     data = json.loads(out.read_text())
     assert [row["preset"] for row in data["rows"]] == ["none", "full"]
@@ -424,7 +424,7 @@ def test_offload_presets_are_stepped_with_their_host_tier_and_copy_time(tmp_path
     shape = ["--model", "dense", "--layers", "4", "--hidden", "512", "--heads", "8", "--kv-heads", "4"]
     shape += ["--ffn", "2048", "--vocab", "4096", "--seq", "2048", "--batch", "2", "--fsdp", "2"]
     assert main(["estimate", *shape, "--presets", "full,full+offload", "--json", str(out), "--quiet"]) == 0
-    assert "host (pinned)" in capsys.readouterr().out
+    assert "host: pinned host memory" in " ".join(capsys.readouterr().out.split())
     full, offloaded = json.loads(out.read_text())["rows"]
     assert full["moved"] is None
     moved = offloaded["moved"]
@@ -595,6 +595,7 @@ def test_a_plan_estimated_for_a_hugging_face_config_applies_to_that_model(tmp_pa
     batch = {"input_ids": ids, "labels": ids}
     for plan in plans:
         assert plan.made_for.layers == 4 and dict(plan.made_for.layer_classes) == {"LlamaDecoderLayer": "0-3"}
+        assert plan.made_for.layer_input == (2, 32, config.hidden_size)  # checked on the first forward
         torch.manual_seed(0)
         model = transformers.AutoModelForCausalLM.from_config(config)
         candidate = transformers.AutoModelForCausalLM.from_config(config)

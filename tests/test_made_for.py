@@ -19,6 +19,7 @@ MADE_FOR = {
     "layer_classes": {"DecoderLayer": "0-1"},
     "batch": 2,
     "seq": 16,
+    "layer_input": [2, 16, 64],
     "dtype": "float32",
     "device": "cpu",
     "budget": "80%",
@@ -67,6 +68,8 @@ def test_made_for_round_trips_through_dict_yaml_json_and_files(tmp_path):
         ({"layer_classes": {"A": "0-x"}}, ["'0-x'", "range"]),
         ({"layers": 0, "layer_classes": None}, ["layers: 0", "at least 1"]),
         ({"seq": -4}, ["seq: -4 is not positive"]),
+        ({"layer_input": []}, ["layer_input: [] is not a shape", "[2, 512, 256]"]),
+        ({"layer_input": [2, 0, 64]}, ["layer_input: [2, 0, 64] is not a shape"]),
     ],
 )
 def test_made_for_is_validated_strictly(made_for, message_parts):
@@ -156,5 +159,43 @@ def test_the_file_actplan_plan_writes_states_its_model_and_every_layers_choice(
     assert (made.model, made.size, made.layers) == ("model_factories:dense_long", None, 2)
     assert made.layer_classes == (("DecoderLayer", "0-1"),)
     assert (made.batch, made.seq, made.dtype, made.device) == (16, 64, "float32", "cpu")
+    assert made.layer_input == (16, 64, 64)  # dense tiny's width
     assert made.budget == "80%" and made.budget_bytes > 0
     assert made.actplan_version == "0.1.0"
+
+
+def test_the_first_forward_checks_the_width_and_the_tokens_the_plan_was_made_for():
+    import copy
+    import warnings
+
+    # Another width with the same layers is another model: an error naming both shapes, on
+    # every call until the plan is removed; deepcopy keeps the check.
+    wide = build_model("dense", "tiny", dim=128)
+    actplan.apply(wide.model, _config())
+    copied = copy.deepcopy(wide.model)
+    for model in (wide.model, wide.model, copied):
+        with pytest.raises(ConfigError) as err:
+            model(**wide.batch(0))
+        message = " ".join(str(err.value).split())
+        assert "first layer's input is [2, 16, 64] (width 64), but this model's is [2, 16, 128]" in message
+        assert "delete made_for's layer_input" in message
+    actplan.remove(copied)
+    copied(**wide.batch(0))["loss"].backward()
+    # More tokens than planned: one warning, at the user's line; as many or fewer: nothing.
+    for batch_size, seq_len, warned in ((2, 16, False), (1, 8, False), (4, 16, True)):
+        bundle = build_model("dense", "tiny", batch_size=batch_size, seq_len=seq_len)
+        actplan.apply(bundle.model, _config())
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                bundle.model(**bundle.batch(0))["loss"].backward()
+        notes = [str(w.message) for w in caught if "tokens per layer call" in str(w.message)]
+        assert len(notes) == int(warned), (batch_size, seq_len, notes)
+        if warned:
+            assert "made for 32 tokens per layer call (first layer's input [2, 16, 64])" in notes[0]
+            assert "runs 64 ([4, 16, 64]), 2.00x" in notes[0]
+            assert caught[0].filename == __file__
+    # A config without layer_input is not checked.
+    unrecorded = build_model("dense", "tiny", dim=128)
+    actplan.apply(unrecorded.model, _config(layer_input=None))
+    unrecorded.model(**unrecorded.batch(0))["loss"].backward()

@@ -7,15 +7,18 @@ pure ``plan`` module, and wrap each layer with the boundary and its policy.
 
 from __future__ import annotations
 
+import copy
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from actplan import integrations
+from actplan._callsite import warn
 from actplan._engine.boundary import (
     RuntimeOnly,
     checkpoint_state,
@@ -26,11 +29,14 @@ from actplan._engine.offload import OffloadEngine
 from actplan._engine.offload_wrapper import apply_offload, is_offloaded, remove_offload
 from actplan._engine.policy import IntervalPolicy, MarkerChecker
 from actplan._install.plan import LayerPlan, LayerSpec, Plan, format_indices, resolve_plan
+from actplan._torch_internals import tree_leaves
 from actplan.config import ConfigError, RecomputeConfig
+from actplan.config._made_for import MadeFor
 from actplan.units import RecomputeIntervalMap
 
 _PLAN_ATTR = "_actplan_plan"
 _ENGINE_ATTR = "_actplan_offload_engine"
+_SHAPE_CHECK_ATTR = "_actplan_shape_check"
 
 
 @dataclass
@@ -209,7 +215,46 @@ def apply(
         _install_layer(layer_plan, module, policies, engine, _call_check(sources, module))
     installed = InstalledPlan(plan.layers, plan.config, weakref.ref(model))
     model.__dict__[_PLAN_ATTR] = _Installed(installed)
+    made = plan.config.made_for
+    if made is not None and made.layer_input is not None and layers:
+        model.__dict__[_SHAPE_CHECK_ATTR] = _Installed(_FirstInputCheck(made, layers[0][1]))
     return installed
+
+
+class _FirstInputCheck:
+    """A forward pre-hook on the first layer: on its first eager call, the input against
+    ``made.layer_input``. Another width is a ``ConfigError`` (another model); more tokens a
+    warning (the planned peak does not hold). Once an input passes it does nothing, and a
+    compiled forward skips it. Deepcopy copies it with its handle; a pickled model loads a check
+    that has passed (its plan is not installed there)."""
+
+    def __init__(self, made: MadeFor | None, first: nn.Module | None = None) -> None:
+        self.made = made
+        self.handle = None if first is None else first.register_forward_pre_hook(self, with_kwargs=True)
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if self.made is None or torch.compiler.is_compiling():
+            return
+        tensor = next((t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)), None)
+        shape = () if tensor is None else tuple(tensor.shape)
+        if (mismatch := self.made.width_mismatch(shape)) is not None:
+            raise ConfigError(mismatch)
+        note, self.made = self.made.more_tokens(shape), None
+        if note is not None:
+            warn(note)
+
+    def remove(self) -> None:
+        if self.handle is not None:
+            self.handle.remove()
+
+    def __reduce__(self) -> tuple:
+        return (_FirstInputCheck, (None,))
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _FirstInputCheck:
+        new = object.__new__(_FirstInputCheck)
+        memo[id(self)] = new
+        new.made, new.handle = self.made, copy.deepcopy(self.handle, memo)  # the copy's hook dict
+        return new
 
 
 def _with_saved_layouts(
@@ -370,6 +415,8 @@ def remove(model: nn.Module) -> int:
             removed += remove_gradient_checkpointing(module)
     model.__dict__.pop(_PLAN_ATTR, None)
     model.__dict__.pop(_ENGINE_ATTR, None)
+    if (shape_check := model.__dict__.pop(_SHAPE_CHECK_ATTR, None)) is not None:
+        shape_check.value.remove()
     for source in integrations.recognising(model):
         source.release(model)
     return removed

@@ -20,9 +20,8 @@ def main(argv: list[str] | None = None) -> int:
     if importlib.util.find_spec("rich") is None:
         print(CLI_EXTRA_HINT, file=sys.stderr)
         return 2
-    from rich.console import Console
-
     from actplan.cli._bench import bench
+    from actplan.cli._console import make_console
     from actplan.cli._estimate import estimate
     from actplan.cli._inspect import explain, units, verify
     from actplan.cli._parser import build_parser, check_arguments
@@ -39,10 +38,7 @@ def main(argv: list[str] | None = None) -> int:
         "units": units,
     }
     args = build_parser().parse_args(argv)
-    console = Console()
-    if not console.is_terminal:
-        # Logs and CI captures have no width; don't squeeze the table to 80 columns.
-        console = Console(width=200)
+    console = make_console()
     try:
         check_arguments(args)
         return commands[args.command](args, console)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import shlex
 import sys
 from collections.abc import Iterator
@@ -22,6 +23,19 @@ from rich.progress import (
 )
 
 from actplan.progress import PlainLines, ProgressCallback, ProgressEvent
+
+PIPED_WIDTH = 100
+"""Columns of output that goes to a pipe or a file with no ``COLUMNS`` set: what a
+100-column terminal shows when the output is pasted there."""
+
+
+def make_console() -> Console:
+    """The console every command prints to: a terminal's own width; ``COLUMNS`` when set (rich
+    reads it); otherwise, piped or captured, ``PIPED_WIDTH`` columns."""
+    console = Console()
+    if not console.is_terminal and not os.environ.get("COLUMNS", "").isdigit():
+        console = Console(width=PIPED_WIDTH)
+    return console
 
 
 @contextlib.contextmanager

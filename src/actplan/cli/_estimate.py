@@ -109,9 +109,7 @@ def estimate(args: argparse.Namespace, console: Console) -> int:
                 f"[red]nothing fits {args.budget}[/]: shard further (--fsdp, --tp) or shorten --seq"
             )
         else:
-            console.print(
-                f"fastest under {args.budget}: {best.preset} (estimated {best.ratio_to_none:.3f}x)"
-            )
+            console.print(f"fastest under {args.budget}: {best.preset} (estimated {best.ratio_to_none:.3f}x)")
     if args.out:
         plan = next((row for row in result.plans if row.fits), None)
         if plan is None:
@@ -142,7 +140,12 @@ def _gpu_with_links(args: argparse.Namespace):
 
 
 def _host_cell(moved) -> str:
-    return "-" if moved is None else f"{moved.host_bytes / 2**30:,.2f} GiB"
+    return "-" if moved is None else f"{moved.host_bytes / 2**30:,.2f}"
+
+
+def _label_column(table: Table) -> None:
+    """The row names' column: a long plan name folds over lines rather than widening the table."""
+    table.add_column("preset / plan", justify="left", max_width=30, overflow="fold")
 
 
 def estimate_table(result) -> Table:
@@ -150,32 +153,33 @@ def estimate_table(result) -> Table:
     static = f"static {result.static_bytes / gib:.1f} GiB"
     if result.gathered_bytes:
         static += f" + gathered {result.gathered_bytes / gib:.1f} GiB"
+    offloads = any(row.moved is not None for row in result.rows)
+    plans = any(row.predicted_peak_bytes is not None for row in result.rows)
+    legend = "GiB per GPU; act.: activations at the end of forward; peak: the step's live bytes"
+    legend += "; allocated, reserved: the caching allocator's peaks"
+    if offloads:
+        legend += "; host: pinned host memory"
+    if plans:
+        legend += "; planner: its predicted peak and step"
     table = Table(
         title=f"{result.description}\n{result.gpu}, FSDP over {result.fsdp}: "
         f"{result.parameters / 1e9:.2f} B parameters {result.parameters_scope}, {static} per GPU\n"
         f"{result.method}; allocator: {result.allocator_settings}",
-        caption=f"estimated on fake tensors in {result.seconds_taken:.0f} s; times are estimates",
+        caption=f"{legend}. Estimated on fake tensors in {result.seconds_taken:.0f} s; times are estimates",
     )
-    headers = ["preset / plan", "activations (end of fwd)", "step peak", "peak allocated"]
-    headers += ["peak reserved"]
-    offloads = any(row.moved is not None for row in result.rows)
-    if offloads:
-        headers += ["host (pinned)"]
-    headers += ["est. step", "vs none"]
-    plans = any(row.predicted_peak_bytes is not None for row in result.rows)
-    if plans:
-        headers += ["planner predicted"]
-    headers += ["fits"]
+    _label_column(table)
+    headers = ["act.", "peak", "allocated", "reserved", *(["host"] if offloads else []), "step", "× none"]
+    headers += ["planner"] if plans else []
     for header in headers:
-        justify = {"preset / plan": "left", "fits": "center"}.get(header, "right")
-        table.add_column(header, justify=justify)
+        table.add_column(header, justify="right")
+    table.add_column("fits", justify="center")
     for row in result.rows:
         cells = [
             row.preset,
-            f"{row.activation_bytes / gib:,.2f} GiB",
-            f"{row.step_peak_bytes / gib:,.2f} GiB",
-            f"{row.allocated_peak_bytes / gib:,.2f} GiB",
-            f"{row.reserved_peak_bytes / gib:,.2f} GiB",
+            f"{row.activation_bytes / gib:,.2f}",
+            f"{row.step_peak_bytes / gib:,.2f}",
+            f"{row.allocated_peak_bytes / gib:,.2f}",
+            f"{row.reserved_peak_bytes / gib:,.2f}",
             *([] if not offloads else [_host_cell(row.moved)]),
             f"{row.seconds * 1e3:,.0f} ms",
             "-" if row.ratio_to_none is None else f"{row.ratio_to_none:.3f}x",
@@ -184,7 +188,7 @@ def estimate_table(result) -> Table:
             cells.append(
                 "-"
                 if row.predicted_peak_bytes is None
-                else f"{row.predicted_peak_bytes / gib:,.2f} GiB, {row.predicted_ratio:.3f}x"
+                else f"{row.predicted_peak_bytes / gib:,.2f}, {row.predicted_ratio:.3f}x"
             )
         cells.append("-" if row.fits is None else ("yes" if row.fits else "no"))
         table.add_row(*cells)
@@ -194,11 +198,13 @@ def estimate_table(result) -> Table:
 def time_table(result) -> Table:
     """Where each row's estimated step time goes: compute, the communication and the offload
     copies the compute waits for; what the step trains per GPU."""
-    table = Table(title="where the time goes (estimates)")
-    headers = ["preset / plan", "est. step", "compute", "waits: comm", "waits: copies"]
-    headers += ["tokens/s per GPU", "MFU"]
-    for header in headers:
-        table.add_column(header, justify="left" if header == "preset / plan" else "right")
+    table = Table(
+        title="where the time goes (estimates)",
+        caption="waits: what the compute stream waits for communication and for offload copies",
+    )
+    _label_column(table)
+    for header in ("step", "compute", "waits: comm", "waits: copies", "tokens/s per GPU", "MFU"):
+        table.add_column(header, justify="right")
     for row in result.rows:
         copies = row.moved.exposed_seconds if row.moved is not None else 0.0
         compute = row.seconds - row.exposed_comm_seconds - copies
@@ -225,11 +231,14 @@ def _fastest_within(points, share: float):
 def frontier_table(result) -> Table:
     """The fastest predicted plan at each share of ``none``'s activations (bytes above parameters
     and optimizer state), keeping or recomputing only, and with offload too."""
-    table = Table(title="the planner's frontier: fastest plan at each activation budget (predicted)")
-    table.add_column("activations ≤ (of none's)", justify="right")
+    table = Table(
+        title="the planner's frontier: fastest plan at each activation budget (predicted)",
+        caption="activations: a share of none's; each kind's fastest step; host: GiB pinned per GPU",
+    )
+    table.add_column("activations ≤", justify="right")
     for kind in result.frontiers:
-        table.add_column(f"{kind}: step", justify="right")
-    table.add_column("with offload: host per GPU", justify="right")
+        table.add_column(kind, justify="right")
+    table.add_column("host", justify="right")
     kinds = list(result.frontiers.values())
     lowest = min(p.share_of_none for points in kinds for p in points)
     for share in [*_SHARES, lowest]:
@@ -239,7 +248,7 @@ def frontier_table(result) -> Table:
         cells = [f"{share:.0%}" if share != lowest else f"{share:.0%} (least)"]
         cells += ["-" if b is None else f"{b.ratio:.3f}x" for b in best]
         last = best[-1]
-        cells.append("-" if last is None else f"{last.host_bytes / 2**30:,.2f} GiB")
+        cells.append("-" if last is None else f"{last.host_bytes / 2**30:,.2f}")
         table.add_row(*cells)
     return table
 

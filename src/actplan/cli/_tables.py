@@ -109,9 +109,15 @@ def held_table(held: dict[str, dict[str, dict[str, int]]], title: str) -> Table:
 
 
 def profile_table(profile) -> Table:
-    table = Table(title=f"profile of {profile.model} on {profile.device}")
-    for column in ("layers", "candidate", "retained MiB", "transient MiB", "offloaded MiB", "extra ms"):
-        table.add_column(column, justify="left" if column in ("layers", "candidate") else "right")
+    table = Table(
+        title=f"profile of {profile.model} on {profile.device}",
+        caption="MiB per layer: retained to backward, transient at the layer's peak, offloaded to the host; "
+        "extra: ms the candidate adds to a step",
+    )
+    table.add_column("layers")
+    table.add_column("candidate", overflow="fold")  # a long unit list folds, whole, over lines
+    for column in ("retained", "transient", "offloaded", "extra ms"):
+        table.add_column(column, justify="right")
     for layer_type in profile.layer_types:
         where = f"{layer_type.class_name} {format_indices(layer_type.layer_indices)}"
         for position, c in enumerate(layer_type.candidates):
@@ -152,8 +158,9 @@ def sweep_table(model: str, front: list[dict[str, Any]], summary) -> Table:
     """``actplan plan --sweep``: one row per point of the predicted front; ``summary`` names a
     point's candidates."""
     table = Table(title=f"every plan worth having for {model} (predicted, fastest at each peak)")
-    for column in ("peak MiB", "of none", "step time / none", "plan (layers: candidate)"):
-        table.add_column(column, justify="left" if column.startswith("plan") else "right")
+    for column in ("peak MiB", "of none", "step time / none"):
+        table.add_column(column, justify="right")
+    table.add_column("plan (layers: candidate)", overflow="fold")
     for point in front:
         share = point["share_of_none_peak"]
         table.add_row(

@@ -1,13 +1,16 @@
 """``MadeFor``: the model a planned config was made for (model spec, size, layer count and
-classes, batch shape, dtype, device, budget, actplan version). ``actplan plan`` writes it as
-the config's ``made_for`` block; ``actplan._install.plan`` checks the layer count and classes
-against the model a config meets, before anything is installed.
+classes, batch shape, the first layer's input shape, dtype, device, budget, actplan version).
+``actplan plan`` writes it as the config's ``made_for`` block; ``actplan._install.plan`` checks
+the layer count and classes against the model a config meets, before anything is installed,
+and ``actplan._install.apply`` the first layer's input on the first forward (``width_mismatch``,
+``more_tokens``).
 
 Imports only pydantic, the config errors and the selectors' range strings.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
@@ -47,6 +50,9 @@ class MadeFor(BaseModel):
     layer_classes: tuple[tuple[str, str], ...] | None = None
     batch: int | None = None
     seq: int | None = None
+    # The first layer's input shape at planning, e.g. (2, 512, 256): its last dimension is the
+    # model's width, the product of the others the tokens a layer call runs.
+    layer_input: tuple[int, ...] | None = None
     dtype: str | None = None
     device: str | None = None
     budget: str | None = None
@@ -93,6 +99,11 @@ class MadeFor(BaseModel):
                 raise ConfigError(f"{field}: {value} is not positive; give a positive number or remove it")
         if self.layer_classes is not None:
             self._check_classes_cover_the_layers()
+        if self.layer_input is not None and (not self.layer_input or min(self.layer_input) < 1):
+            raise ConfigError(
+                f"layer_input: {list(self.layer_input)} is not a shape; give the first layer's input "
+                "shape as positive sizes, e.g. [2, 512, 256], or remove it"
+            )
         return self
 
     def _check_classes_cover_the_layers(self) -> None:
@@ -143,6 +154,37 @@ class MadeFor(BaseModel):
             "again for this model with `actplan plan`, or, to apply it anyway, delete the made_for block"
         )
 
+    def width_mismatch(self, shape: Sequence[int]) -> str | None:
+        """Why a first-layer input of ``shape`` is not the model this config was made for (its
+        last dimension, the model's width, differs); None when it agrees or nothing was recorded."""
+        if self.layer_input is None or not shape or shape[-1] == self.layer_input[-1]:
+            return None
+        return (
+            f"made_for: this config was planned for {self.describe()} whose first layer's input is "
+            f"{list(self.layer_input)} (width {self.layer_input[-1]}), but this model's is {list(shape)} "
+            f"(width {shape[-1]}): another model, with the same layers. Each layer's choice was priced "
+            "at the planned width, so its memory and time do not hold here: plan again for this model "
+            "with `actplan plan`, or, to apply it anyway, delete made_for's layer_input"
+        )
+
+    def more_tokens(self, shape: Sequence[int]) -> str | None:
+        """A warning when a first-layer input of ``shape`` runs more tokens (its size over its
+        width) than the planned one: activations grow with tokens, so the plan's peak does not
+        hold. None when it runs as many or fewer, or nothing was recorded."""
+        if self.layer_input is None or not shape:
+            return None
+        planned, now = math.prod(self.layer_input[:-1]), math.prod(shape[:-1])
+        if now <= planned:
+            return None
+        budget = f" (budget {self.budget})" if self.budget else ""
+        return (
+            f"made_for: this plan was made for {planned:,} tokens per layer call (first layer's input "
+            f"{list(self.layer_input)}) and the model now runs {now:,} ({list(shape)}), "
+            f"{now / planned:.2f}x: activations grow with tokens, so its peak will be above the planned "
+            f"one{budget}. Plan again at this batch and sequence length (`actplan plan`, or "
+            "`actplan estimate --out`)"
+        )
+
     def to_dict(self) -> dict[str, Any]:
         """Plain data, fields left out when unknown; ``MadeFor(**d)`` reads it back."""
         out: dict[str, Any] = {}
@@ -150,5 +192,7 @@ class MadeFor(BaseModel):
             value = getattr(self, name)
             if value is None:
                 continue
-            out[name] = dict(value) if name == "layer_classes" else value
+            out[name] = (
+                dict(value) if name == "layer_classes" else list(value) if name == "layer_input" else value
+            )
         return out

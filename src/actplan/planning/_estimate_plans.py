@@ -220,7 +220,10 @@ def planner_for(
     profile = deepened(profile, shape.layers, base_seconds)
     with default_dtype(DTYPES[shape.dtype]), torch.device("meta"):
         whole = build_for_shape(shape)  # the layers and classes the plan will meet
-    header = made_for(whole, shape.titan or shape.hf_config or shape.model, gpu)
+    # The first layer's input as the estimate runs it ((batch, seq, hidden)); the whole model is
+    # on the meta device, where running it to its first layer is not worth the risk.
+    layer_input = (shape.batch, shape.seq, shape.hidden)
+    header = made_for(whole, shape.titan or shape.hf_config or shape.model, gpu, layer_input=layer_input)
     # The measured static terms are the unsharded model's; the planner plans one FSDP rank.
     problem = replace(
         profile.problem(),

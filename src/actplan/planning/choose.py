@@ -15,8 +15,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from actplan._install.apply import layer_specs
+from actplan._install.apply import find_layers, layer_specs
 from actplan._install.plan import format_indices
+from actplan._torch_internals import tree_leaves
 from actplan.config import RecomputeConfig
 from actplan.config._made_for import class_ranges
 from actplan.planning._records import choice_of
@@ -38,10 +39,12 @@ def made_for(
     device: torch.device | str,
     budget: str | int | float | None = None,
     budget_bytes: float | None = None,
+    layer_input: tuple[int, ...] | None = None,
 ) -> dict[str, Any]:
     """The ``made_for`` block of a plan for ``bundle`` (loaded from ``spec``) on ``device``:
     model, size, layer count and classes, batch and sequence length (of the token ids, when
-    the batch has them), dtype, device, budget and actplan version."""
+    the batch has them), the first layer's input shape (``layer_input``, else found by running
+    the model up to its first layer), dtype, device, budget and actplan version."""
     classes = [layer.class_name for layer in layer_specs(bundle.model)]
     block: dict[str, Any] = {
         "model": spec,
@@ -49,6 +52,7 @@ def made_for(
         "layers": len(classes),
         "layer_classes": dict(class_ranges(classes)),
         **_batch_shape(bundle.batch(0)),
+        "layer_input": list(layer_input or first_layer_input(bundle.model, bundle.batch(0, device))) or None,
         "dtype": _dtype(bundle.model),
         "device": str(device),
         "budget": None if budget is None else str(budget),
@@ -56,6 +60,34 @@ def made_for(
         "actplan_version": _version(),
     }
     return {key: value for key, value in block.items() if value is not None}
+
+
+class _Reached(Exception):
+    """Stops a forward at the first layer (``first_layer_input``)."""
+
+
+def first_layer_input(model: torch.nn.Module, batch: Mapping[str, Any]) -> tuple[int, ...]:
+    """The shape of the first tensor the model's first checkpointable layer is called with (its
+    hidden states), found by running ``model(**batch)`` without gradients up to that call (the
+    random number generators as they were before); ``()`` when the layer gets no tensor."""
+    (_, first), *_ = find_layers(model)
+    cuda = [t.device for t in batch.values() if isinstance(t, torch.Tensor) and t.device.type == "cuda"]
+    found: list[tuple[int, ...]] = []
+
+    def stop(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        tensor = next((t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)), None)
+        found.append(() if tensor is None else tuple(tensor.shape))
+        raise _Reached
+
+    handle = first.register_forward_pre_hook(stop, with_kwargs=True)
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=cuda[:1]):
+            model(**batch)
+    except _Reached:
+        pass
+    finally:
+        handle.remove()
+    return found[0] if found else ()
 
 
 def _batch_shape(batch: Mapping[str, Any]) -> dict[str, int]:

@@ -284,19 +284,26 @@ def declare(model: nn.Module, layouts: Layouts | None = None) -> int:
         for module in state.layers:
             module.__dict__.pop("recompute_intervals", None)
         raise
-    config = getattr(model, "config", None)
-    if getattr(config, "use_cache", False):
-        # A KV cache passed to every layer is appended to again when a layer is recomputed,
-        # so the replay would attend over twice the keys. Transformers turns it off under its
-        # own gradient checkpointing too; `undeclare` restores it.
+    if kv_cache_off(model):  # `undeclare` turns it back on
         warn(
             f"actplan sets {type(model).__name__}.config.use_cache = False while its plan is "
             "installed: a KV cache would change between a layer's forward and its recompute"
         )
         state.use_cache = True
-        config.use_cache = False
     model.__dict__[_STATE_ATTR] = state
     return len(state.layers)
+
+
+def kv_cache_off(model: nn.Module) -> bool:
+    """Turn a transformers model's KV cache off (``config.use_cache = False``), as a plan trains;
+    True when it was on. A cache passed to every layer is appended to again when a layer is
+    recomputed (or replayed alone by the profiler), so the replay would attend over twice the
+    keys; transformers turns it off under its own gradient checkpointing too."""
+    config = getattr(model, "config", None)
+    if not getattr(config, "use_cache", False):
+        return False
+    config.use_cache = False
+    return True
 
 
 def undeclare(model: nn.Module) -> bool:

@@ -47,6 +47,7 @@ from torch import nn
 
 from actplan._install.apply import apply, find_layers
 from actplan._torch_internals import tree_leaves
+from actplan.integrations.hf import kv_cache_off
 from actplan.measure import Accelerator, MemoryMeter, RooflineClock, copy_module, interleaved_timing
 from actplan.measure._timing import median_spread, unstolen
 from actplan.models import ModelBundle, loss_of, train_step
@@ -356,11 +357,7 @@ def profile_model(
     gpu_name = None if clock is None else clock.accelerator.name
     key = cache_key(bundle, spec, device, min_bytes, bandwidth, gpu_name)
     model = copy_module(bundle.model).to(device)
-    config = getattr(model, "config", None)
-    if getattr(config, "use_cache", False):
-        # The copy profiles as a plan trains: `apply` turns a transformers model's KV cache off
-        # (a layer replayed alone would append to the cache its recorded call was given).
-        config.use_cache = False
+    kv_cache_off(model)  # the copy profiles as a plan trains
     batch = bundle.batch(0, device)
     layers = find_layers(model)
     if not layers:

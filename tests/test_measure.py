@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import json
 import time
@@ -190,22 +189,7 @@ def test_memory_report_is_json_serialisable():
 # ---------------------------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def _one_rank_mesh():
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    owned = not dist.is_initialized()
-    if owned:
-        dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
-    try:
-        yield init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
-    finally:
-        if owned:
-            dist.destroy_process_group()
-
-
-def test_meter_sees_the_temporaries_a_dtensor_op_makes_inside_its_handler():
+def test_meter_sees_the_temporaries_a_dtensor_op_makes_inside_its_handler(tp_mesh):
     # Loss parallelism computes log-softmax on a vocabulary-sharded DTensor in a handler of its
     # own: a shifted copy of the logits and its exponential exist at once before the result is
     # made. A dispatch mode is off the stack while a subclass runs, so a meter that only saw
@@ -215,12 +199,12 @@ def test_meter_sees_the_temporaries_a_dtensor_op_makes_inside_its_handler():
 
     rows, vocab = 64, 512
     logits_bytes = rows * vocab * FLOAT32_BYTES
-    with _one_rank_mesh() as mesh:
-        logits = distribute_tensor(torch.randn(rows, vocab), mesh, [Shard(1)])
-        with loss_parallel(), MemoryMeter() as meter:
-            result = torch.log_softmax(logits, dim=-1)
-            assert meter.live_bytes == logits_bytes  # the result's local shard, nothing else
-        del result
+    mesh = tp_mesh
+    logits = distribute_tensor(torch.randn(rows, vocab), mesh, [Shard(1)])
+    with loss_parallel(), MemoryMeter() as meter:
+        result = torch.log_softmax(logits, dim=-1)
+        assert meter.live_bytes == logits_bytes  # the result's local shard, nothing else
+    del result
     report = meter.report()
     # shifted + exp(shifted) + two per-row reductions, then shifted + the result.
     assert report.peak_live_bytes >= 2 * logits_bytes

@@ -19,7 +19,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
@@ -160,21 +159,9 @@ def test_a_failing_rank_fails_the_test_with_its_traceback(tmp_path):
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def one_rank_group():
-    if dist.is_initialized():
-        yield
-        return
-    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.fixture
-def mesh(one_rank_group):
-    return init_device_mesh("cpu", (1,))
+def mesh(one_rank_mesh):
+    return one_rank_mesh
 
 
 def test_order_wrapper_inside_fsdp_and_root_last(mesh):

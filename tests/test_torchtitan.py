@@ -364,20 +364,6 @@ def test_a_layout_that_cannot_be_derived_names_what_is_unclear_and_how_to_pass_o
 # the arithmetic stays that of one process.
 
 
-@pytest.fixture
-def one_rank(tmp_path):
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialized in this process")
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1,))
-    finally:
-        dist.destroy_process_group()
-
-
 def _tensor_parallel(model: nn.Module, mesh) -> nn.Module:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -395,10 +381,10 @@ def _tensor_parallel(model: nn.Module, mesh) -> nn.Module:
 
 
 @pytest.mark.slow
-def test_tensor_parallel_first_then_actplan_is_exact(one_rank):
+def test_tensor_parallel_first_then_actplan_is_exact(one_rank_mesh):
     model, batch = build("qwen3"), make_batch(0)
-    baseline, none_bytes = step(_tensor_parallel(copy.deepcopy(model), one_rank), batch, metered=True)
-    candidate = _tensor_parallel(copy.deepcopy(model), one_rank)
+    baseline, none_bytes = step(_tensor_parallel(copy.deepcopy(model), one_rank_mesh), batch, metered=True)
+    candidate = _tensor_parallel(copy.deepcopy(model), one_rank_mesh)
     actplan.apply(candidate, "matmuls")
     for call in range(2):
         captured, held = step(candidate, batch, metered=call == 1)
@@ -408,10 +394,10 @@ def test_tensor_parallel_first_then_actplan_is_exact(one_rank):
 
 
 @pytest.mark.slow
-def test_tensor_parallel_after_actplan_names_the_order(one_rank):
+def test_tensor_parallel_after_actplan_names_the_order(one_rank_mesh):
     model = build("qwen3")
     actplan.apply(model, "matmuls")
-    _tensor_parallel(model, one_rank)
+    _tensor_parallel(model, one_rank_mesh)
     with pytest.raises(ConfigError) as err:
         step(model, make_batch(0))
     message = str(err.value)
@@ -421,7 +407,7 @@ def test_tensor_parallel_after_actplan_names_the_order(one_rank):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["spmd_types", "partial_dtensor"])
-def test_torchtitans_parallelize_with_actplan_ac_is_exact(one_rank, monkeypatch, backend):
+def test_torchtitans_parallelize_with_actplan_ac_is_exact(one_rank_mesh, monkeypatch, backend):
     # torchtitan's own parallelize_llama: its DTensor model (spmd_types) or TP (none on one
     # rank, partial_dtensor: plain parameters at the plan), ActplanAC, then FSDP2.
     import torchtitan.distributed.parallel_dims as parallel_dims

@@ -28,10 +28,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import actplan
@@ -220,17 +218,6 @@ def test_torchtitan_splits_as_configured(runs, mesh):
 # ---------------------------------------------------------------------------------------------
 # One rank, in-process: a strided-shard DTensor output of a kept op
 # ---------------------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def tp_mesh(tmp_path):
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialized in this process")
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
-    finally:
-        dist.destroy_process_group()
 
 
 class _Router(nn.Module):

@@ -31,7 +31,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -296,23 +295,6 @@ def test_the_documented_tp_fsdp_script_runs(tmp_path):
 # ---------------------------------------------------------------------------------------------
 # One rank, in-process: plans, input checks, and the engine repro
 # ---------------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def one_rank_group():
-    if dist.is_initialized():
-        yield
-        return
-    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
-@pytest.fixture
-def tp_mesh(one_rank_group):
-    return init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
 
 
 def styles(plan, name):

@@ -53,7 +53,7 @@ def test_bench_tiny_writes_json_and_markdown(tmp_path, capsys):
     assert predicted["none"] == 1.0 < predicted["matmuls"] < predicted["full"]
     assert result["marker_cost_ns"]["outside_region"] > 0
     assert result["overhead_vs_torch_checkpoint"]["pairs"] == 4
-    assert "| matmuls | yes |" in out_md.read_text() and "est. ratio on GPU" in out_md.read_text()
+    assert "| matmuls | exact |" in out_md.read_text() and "est. ratio on GPU" in out_md.read_text()
 
 
 def test_bench_accepts_config_files(tmp_path):

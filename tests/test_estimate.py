@@ -1010,3 +1010,46 @@ def test_expert_weights_fsdp_leaves_out_are_cast_by_the_module_or_refused():
         assert experts and all(m.compute_dtype == torch.bfloat16 for m in experts)
         with pytest.raises(ValueError, match="give the module a `compute_dtype` attribute"):
             parallelize(torch.nn.Sequential(Experts()), mesh, "none", mp_policy=policy)
+
+
+def test_a_stepped_plan_pinning_past_the_host_budget_is_planned_again_under_less():
+    # The offload pool rounds each buffer up to a size class, so a stepped plan may pin more
+    # host memory than the planner counted: plan_within then plans again under a host budget
+    # lowered by the excess, until the stepped plan keeps within it. The step here stands for
+    # such a pool (it pins a quarter more than the plan moves); the planner is the estimate's.
+    from types import SimpleNamespace
+
+    from actplan.planning._estimate_plans import Planner, plan_within, planner_for, shallow_profile
+    from actplan.planning.planner import none_peak, solve
+
+    profile = shallow_profile(MEDIUM, "h100")
+    free = planner_for(profile, MEDIUM, "h100", 0, profile.base_seconds)
+    target = int(free.minimum + 0.25 * (none_peak(free.problem) - free.minimum))
+    host = int(free.problem.host_bytes(solve(free.problem, target).choices))  # what it offloads there
+    assert host > 0
+    planned: list[tuple[int, int, float]] = []  # (host budget, host bytes moved, predicted peak)
+
+    class Recording(Planner):
+        def plan(self, budget, gpu_budget):
+            solution = solve(self.problem, budget)
+            moved = int(self.problem.host_bytes(solution.choices))
+            planned.append((self.problem.host_budget_bytes, moved, solution.predicted_peak_bytes))
+            return super().plan(budget, gpu_budget)
+
+    base = planner_for(profile, MEDIUM, "h100", 0, profile.base_seconds, host_budget=host)
+    planner = Recording(base.profile, base.problem, base.minimum, base.made_for)
+
+    def step(config):  # fits the device; pins a quarter more than the plan moves
+        _, moved, peak = planned[-1]
+        pool = SimpleNamespace(host_bytes=int(1.25 * moved))
+        return SimpleNamespace(reserved_peak_bytes=int(peak), moved=pool)
+
+    said: list[str] = []
+    row = plan_within(planner, target, 0, step, said.append, refused := [])
+    assert planned[0][:2] == (host, host)  # the first plan fills the host budget; its pool does not fit
+    assert any("over the host budget: planning again under less" in line for line in said)
+    budgets = [budget for budget, _, _ in planned]
+    assert len(budgets) > 1 and budgets == sorted(budgets, reverse=True)
+    assert all(moved <= budget for budget, moved, _ in planned)
+    assert row is not None and not refused
+    assert row.moved.host_bytes <= host  # the plan as stepped keeps within the budget it was given

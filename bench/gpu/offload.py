@@ -45,11 +45,11 @@ from typing import Any
 import torch
 
 import actplan
+from actplan.evaluate.runner import NOISE_FACTOR
 from actplan.measure import MemoryMeter, StepCapture, capture_step, compare_steps, interleaved_timing
 from actplan.planning.profile import copy_bandwidth
 from bench.gpu.context import DETERMINISTIC_ENV, Determinism
 from bench.gpu.models import SCALES, ModelSpec, batch_on
-from bench.gpu.rows import NOISE_FACTOR
 
 CUT_TOLERANCE = 0.05
 """Device bytes at the end of forward must drop by the bytes offloaded within this fraction."""

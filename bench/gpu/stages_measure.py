@@ -11,12 +11,12 @@ import torch
 
 from actplan.evaluate.bench import OFFLOAD_VARIANTS, TORCH_CHECKPOINT, policy_config
 from actplan.evaluate.contenders import config_installer, torch_checkpoint_installer
+from actplan.evaluate.runner import NOISE_FACTOR
 from actplan.sizes import mib
 from bench.gpu.context import REPO, Determinism, StageContext, deterministic_allowed, say
 from bench.gpu.models import batch_on
 from bench.gpu.report import StageReport
 from bench.gpu.rows import (
-    NOISE_FACTOR,
     RowRunner,
     RowSpec,
     bench_headline,
@@ -295,9 +295,11 @@ def stage_compiled(ctx: StageContext, report: StageReport) -> None:
     runner = RowRunner(ctx, bundle, batch, report, "dense", exact=exact)
     report.data["rows"] = runner.rows
     runner.start()
-    runner.compile_floor(backend)
+    runner.add_compile_floor("none compiled", backend)  # also what compiling alone changes
     report.write()
     for name in ctx.settings.compiled_presets:
+        if name == "none":
+            continue
         install = compiled_installer(config_installer(policy_config(name)), backend)
         runner.add(RowSpec(f"{name} compiled", install, "preset", compiled=True))
         report.write()

@@ -4,7 +4,7 @@ and ``bench.peers.main`` on the device, with plans at each peer's metered peak."
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -227,7 +227,7 @@ def _peers_of_model(ctx: StageContext, report: StageReport, model: str) -> None:
     entry["budgets_without_a_plan"] = _add_plans(runner, report, profile)
     rows = runner.finish()
     kinds = {r["name"]: r["kind"] for r in rows}
-    policy_rows = [_policy_row(r) for r in rows if "ratio_to_none" in r]
+    policy_rows = [PolicyRow.from_record(r) for r in rows if "ratio_to_none" in r]
     entry["at_same_peak"] = peers_compare.compare(policy_rows, kinds, "peak_bytes")
     entry["at_same_activation_bytes"] = peers_compare.compare(policy_rows, kinds, "activation_bytes")
     entry["goals"] = peers_compare.evaluate_goals(entry["at_same_peak"])
@@ -280,8 +280,3 @@ def _peers_headline(model: str, rows: list[dict[str, Any]], at_same_peak: list[d
             for c in best
         )
     )
-
-
-def _policy_row(record: dict[str, Any]) -> PolicyRow:
-    names = {f.name for f in fields(PolicyRow)}
-    return PolicyRow(**{k: v for k, v in record.items() if k in names})

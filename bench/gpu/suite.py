@@ -79,6 +79,7 @@ import torch  # noqa: E402
 
 from actplan.devices import resolve_device  # noqa: E402
 from actplan.evaluate.bench import TORCH_CHECKPOINT as TORCH_CHECKPOINT  # noqa: E402  (tests read it here)
+from actplan.evaluate.runner import error_text  # noqa: E402
 from bench.gpu.context import (  # noqa: E402
     DETERMINISTIC_ENV,
     SETTINGS,
@@ -88,7 +89,6 @@ from bench.gpu.context import (  # noqa: E402
     with_extra,
 )
 from bench.gpu.report import StageReport, device_name, fmt_value, json_safe, read_json  # noqa: E402
-from bench.gpu.rows import error_text  # noqa: E402
 from bench.gpu.stages_allocator import stage_allocator  # noqa: E402
 from bench.gpu.stages_measure import BENCH_ROWS as BENCH_ROWS  # noqa: E402  (tests read it here)
 from bench.gpu.stages_measure import (  # noqa: E402

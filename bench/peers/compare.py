@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from actplan.evaluate.bench import TORCH_CHECKPOINT
-from actplan.evaluate.contenders import Contender, PolicyRow
+from actplan.evaluate.contenders import PolicyRow
 from actplan.planning.choose import config_for
 from actplan.planning.planner import BudgetError, PlanProblem, solve
 from actplan.planning.profile import ModelProfile
@@ -61,7 +61,7 @@ def _without_offload(problem: PlanProblem) -> tuple[PlanProblem, list[list[int]]
     return replace(problem, layers=layers), kept
 
 
-def plan_rows(profile: ModelProfile, peers: list[Contender]) -> tuple[list[PlannedRow], list[str]]:
+def plan_rows(profile: ModelProfile, peers: list[PolicyRow]) -> tuple[list[PlannedRow], list[str]]:
     """Planner plans at each peer's measured peak, deduplicated by the choices they make, and
     the budgets no plan fits under (with the planner's reason).
 

@@ -12,15 +12,8 @@ import torch
 
 from actplan.config import RecomputeConfig
 from actplan.evaluate.bench import TORCH_CHECKPOINT
-from actplan.evaluate.contenders import (
-    Contender,
-    Installer,
-    config_installer,
-    policy_rows,
-    prepare_contender,
-    time_contenders,
-    torch_checkpoint_installer,
-)
+from actplan.evaluate.contenders import Contender, Installer, config_installer, torch_checkpoint_installer
+from actplan.evaluate.runner import RowRunner, RowSpec
 from actplan.measure import interleaved_timing
 from actplan.models import train_step
 from bench.peers.methods import op_sac_matmuls_installer, remat_installer
@@ -89,11 +82,13 @@ def cpu_overhead(
     else:
         named = {"none", *(name for pair in pairs for name in pair)}
         rows = [(name, make()) for name, make in OVERHEAD_ROWS if name in named]
-    contenders = [prepare_contender(bundle, name, install, batch, device) for name, install in rows]
-    parity = {
-        r.name: r.parity_ok
-        for r in policy_rows(contenders, time_contenders(contenders, batch, repeats=1, warmup=0))
-    }
+    runner = RowRunner(bundle, batch, device)  # parity and one metered step each; timed below
+    (_, none), *others = rows
+    runner.start(none)
+    for name, install in others:
+        runner.add(RowSpec(name, install))
+    parity = {row.name: row.parity_ok for row in runner.rows}
+    contenders = [runner.contender(name) for name, _ in rows]
 
     def run(contender: Contender) -> None:
         for _ in range(steps):

@@ -14,7 +14,7 @@ from actplan._install.plan import format_indices
 from actplan._torch_internals import capture_data_dependent_shapes
 from actplan.config import RecomputeConfig
 from actplan.evaluate.bench import OFFLOAD_VARIANTS, TORCH_CHECKPOINT
-from actplan.evaluate.contenders import Contender, Installer, config_installer, torch_checkpoint_installer
+from actplan.evaluate.contenders import Installer, config_installer, torch_checkpoint_installer
 from actplan.models import ModelBundle, build_model
 from bench.peers.methods import (
     DynamoFlags,
@@ -87,11 +87,6 @@ TITAN_MODEL_SKIPS: list[dict[str, str]] = [
 """The peers our models get and torchtitan's model does not, with why."""
 MODEL_CHOICES = ("dense", "moe", *TITAN_MODELS)
 """``--models`` of the peers bench: our reference models, and torchtitan's own."""
-COMPILE_GRAD_FLOOR_FACTOR = 4.0
-COMPILE_GRAD_FLOOR_SLACK = 1e-7
-COMPILE_LOSS_ATOL = 1e-6
-"""Parity of a compiled row (docs/compile.md): loss within 1e-6 of ``none``; every gradient within
-4x the compile noise floor (``none`` compiled against ``none`` eager, this run) plus 1e-7."""
 
 
 def titan_entry() -> tuple[str, Installer, str]:
@@ -175,9 +170,3 @@ def peer_entries(model: str) -> list[tuple[str, Installer]]:
     for modules in MEGATRON_CHOICES.get(model, ()):
         entries.append((f"megatron[{','.join(modules)}]", megatron_installer(modules)))
     return entries
-
-
-def allow_compile_noise(contender: Contender, floor: float) -> None:
-    """Parity tolerances of a compiled row, from the compile noise floor measured in this run."""
-    contender.grad_atol = COMPILE_GRAD_FLOOR_FACTOR * floor + COMPILE_GRAD_FLOOR_SLACK
-    contender.loss_atol = COMPILE_LOSS_ATOL

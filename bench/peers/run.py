@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -15,14 +15,8 @@ import torch
 
 from actplan.config import RecomputeConfig
 from actplan.evaluate.bench import machine_summary, policy_config
-from actplan.evaluate.contenders import (
-    Contender,
-    Installer,
-    policy_rows,
-    prepare_contender,
-    time_contenders,
-)
-from actplan.measure import TimingStats, compare_steps
+from actplan.evaluate.contenders import Installer, PolicyRow
+from actplan.evaluate.runner import RowRunner, RowSpec
 from actplan.models import ModelBundle
 from actplan.planning.budget import pareto_points
 from actplan.planning.cache import get_profile
@@ -43,7 +37,6 @@ from bench.peers.rows import (
     TITAN_MODEL_SKIPS,
     TITAN_MODELS,
     actplan_installer,
-    allow_compile_noise,
     automatic_peer_entries,
     build_bench_model,
     compiled_installer,
@@ -54,24 +47,39 @@ from bench.peers.rows import (
 CPU = torch.device("cpu")
 
 
-@dataclass
 class _Rows:
-    """The rows of one model's run, in the order they are prepared, and the kind of each."""
+    """One model's rows on the evaluate runner, with a progress line per row and per timing round."""
 
-    bundle: ModelBundle
-    batch: dict[str, torch.Tensor]
-    label: str
-    progress: Callable[[str], None]
-    contenders: list[Contender] = field(default_factory=list)
-    kinds: dict[str, str] = field(default_factory=lambda: {"none": "baseline"})
+    def __init__(
+        self, bundle: ModelBundle, batch: dict[str, torch.Tensor], label: str, progress, repeats, warmup
+    ):
+        self.label, self.progress = label, progress
+        self.runner = RowRunner(bundle, batch, CPU, repeats=repeats, warmup=warmup)
+        self.runner.progress = self._tick
+        self._timed = 0
 
-    def prepare(self, name: str, install: Installer, *, compiled: bool = False) -> Contender:
+    @property
+    def kinds(self) -> dict[str, str]:
+        return {row.name: row.kind for row in self.runner.rows}
+
+    def start(self, install: Installer) -> None:
+        self.progress(f"{self.label}: parity and memory of none")
+        self.runner.start(install)
+
+    def prepare(self, spec: RowSpec) -> PolicyRow:
         """One row's parity step and metered step on its own copy of the model."""
-        what = "compile, parity and memory" if compiled else "parity and memory"
-        self.progress(f"{self.label}: {what} of {name}")
-        contender = prepare_contender(self.bundle, name, install, self.batch, CPU, compiled=compiled)
-        self.contenders.append(contender)
-        return contender
+        what = "compile, parity and memory" if spec.compiled else "parity and memory"
+        self.progress(f"{self.label}: {what} of {spec.name}")
+        return self.runner.add(spec)
+
+    def _tick(self, label: str) -> None:
+        self._timed += 1
+        count = len(self.runner.rows)
+        if self._timed % count == 0:
+            rounds = self.runner.warmup + self.runner.repeats
+            self.progress(
+                f"{self.label}: timing round {self._timed // count} of {rounds} ({rounds * count} steps)"
+            )
 
 
 def run_model(
@@ -88,16 +96,15 @@ def run_model(
     bundle = build_bench_model(model, size)
     batch = bundle.make_batch(0)
     skipped, titan_source = _skipped_peers(bundle, model, batch, f"{model} {size}", progress)
-    rows = _Rows(bundle, batch, f"{model} {size}", progress)
+    rows = _Rows(bundle, batch, f"{model} {size}", progress, repeats, warmup)
     _add_eager_rows(rows, model)
     compile_floor = _add_compiled_rows(rows, model, compile_budgets)
     progress(f"{model} {size}: profile (cached after the first run)")
     profile, cached = get_profile(
         bundle, model, CPU, cache_dir=cache_dir, progress=lambda s: progress(f"  {s}")
     )
-    planned, infeasible = _add_plan_rows(rows, profile, model, compile_floor)
-    timings = _time_rows(rows, repeats, warmup)
-    measured = policy_rows(rows.contenders, timings)
+    planned, infeasible = _add_plan_rows(rows, profile, model)
+    measured = rows.runner.finish()
     by_peak = compare(measured, rows.kinds, "peak_bytes")
     by_activations = compare(measured, rows.kinds, "activation_bytes")
     overhead = cpu_overhead(model, repeats=overhead_repeats, progress=progress) if overhead_repeats else None
@@ -108,7 +115,7 @@ def run_model(
         "compile_backend": COMPILE_BACKEND if compile_budgets else None,
         "compile_grad_floor": compile_floor,
         "skipped_peers": skipped,
-        "rows": [{**asdict(r), "kind": rows.kinds[r.name]} for r in measured],
+        "rows": [asdict(r) for r in measured],
         "plans": [asdict(p) for p in planned],
         "budgets_without_a_plan": infeasible,
         "same_memory_tolerance": SAME_MEMORY,
@@ -145,77 +152,55 @@ def _skipped_peers(
 
 def _add_eager_rows(rows: _Rows, model: str) -> None:
     """``none``, the peers, then actplan's presets."""
-    entries: list[tuple[str, Installer]] = [
-        ("none", actplan_installer(model, RecomputeConfig.from_preset("none")))
-    ]
+    rows.start(actplan_installer(model, RecomputeConfig.from_preset("none")))
     for name, install in peer_entries(model):
-        entries.append((name, install))
-        rows.kinds[name] = "peer"
+        rows.prepare(RowSpec(name, install, "peer"))
     for preset in ACTPLAN_PRESETS:
-        entries.append((preset, actplan_installer(model, policy_config(preset))))
-        rows.kinds[preset] = "preset"
-    for name, install in entries:
-        rows.prepare(name, install)
+        rows.prepare(RowSpec(preset, actplan_installer(model, policy_config(preset))))
 
 
 def _add_compiled_rows(rows: _Rows, model: str, compile_budgets: tuple[float, ...]) -> float | None:
-    """The torch.compile peers (budget 1.0 first: the compile noise floor) and, where layers compile
-    whole, actplan's presets with compiled layers; returns the noise floor (None: no compiled rows)."""
+    """The torch.compile peers (budget 1.0 first: it saves what ``none`` saves, so its difference
+    from ``none`` is the compile noise floor) and, where layers compile whole, actplan's presets
+    with compiled layers; returns the noise floor (None: no compiled rows)."""
     if not compile_budgets:
         return None
-    # 1.0 first: the noise floor
-    entries = [
-        (name, install, "automatic-peer") for name, install in automatic_peer_entries(model, compile_budgets)
+    specs = [
+        RowSpec(name, install, "automatic-peer", compiled=True, floor=position == 0)
+        for position, (name, install) in enumerate(automatic_peer_entries(model, compile_budgets))
     ]
     if model in COMPILED_MODELS:
-        entries += [
-            (f"{preset}, compiled", compiled_installer(model, policy_config(preset)), "compiled")
+        specs += [
+            RowSpec(
+                f"{preset}, compiled",
+                compiled_installer(model, policy_config(preset)),
+                "compiled",
+                compiled=True,
+            )
             for preset in COMPILED_PRESETS
         ]
-    compile_floor = None
-    for name, install, kind in entries:
-        contender = rows.prepare(name, install, compiled=True)
-        if compile_floor is None:
-            compile_floor = compare_steps(rows.contenders[0].capture, contender.capture).max_abs_grad_diff
-        allow_compile_noise(contender, compile_floor)
-        rows.kinds[name] = kind
-    return compile_floor
+    for spec in specs:
+        rows.prepare(spec)
+    return rows.runner.noise["compile_grad"]
 
 
-def _add_plan_rows(
-    rows: _Rows, profile: ModelProfile, model: str, compile_floor: float | None
-) -> tuple[list[PlannedRow], list[str]]:
+def _add_plan_rows(rows: _Rows, profile: ModelProfile, model: str) -> tuple[list[PlannedRow], list[str]]:
     """Plans at each peer's measured peak (and, at an automatic peer's peak where layers compile
     whole, the recompute-only plan with compiled layers); returns them and the budgets with none."""
-    peers = [c for c in rows.contenders if rows.kinds[c.name] in ("peer", "automatic-peer")]
+    kinds = rows.kinds
+    peers = [row for row in rows.runner.rows if kinds[row.name] in ("peer", "automatic-peer")]
     planned, infeasible = plan_rows(profile, peers)
     for plan in planned:
         config = RecomputeConfig.from_dict(plan.config, source=plan.name)
-        rows.prepare(plan.name, actplan_installer(model, config))
-        rows.kinds[plan.name] = "plan"
-        automatic = any(rows.kinds[peer] == "automatic-peer" for peer in plan.for_peers)
+        rows.prepare(RowSpec(plan.name, actplan_installer(model, config), "plan"))
+        automatic = any(kinds[peer] == "automatic-peer" for peer in plan.for_peers)
         if model in COMPILED_MODELS and automatic and not plan.offload_allowed:
-            name = f"{plan.name}, compiled"
-            contender = rows.prepare(name, compiled_installer(model, config), compiled=True)
-            allow_compile_noise(contender, compile_floor)
-            rows.kinds[name] = "compiled"
+            rows.prepare(
+                RowSpec(
+                    f"{plan.name}, compiled", compiled_installer(model, config), "compiled", compiled=True
+                )
+            )
     return planned, infeasible
-
-
-def _time_rows(rows: _Rows, repeats: int, warmup: int) -> dict[str, TimingStats]:
-    """Every row timed in interleaved rounds after the warm-up, with a progress line per round."""
-    contenders = rows.contenders
-    total = len(contenders) * (warmup + repeats)
-    done = 0
-
-    def tick(label: str) -> None:
-        nonlocal done
-        done += 1
-        if done % len(contenders) == 0:
-            rounds = f"{done // len(contenders)} of {warmup + repeats}"
-            rows.progress(f"{rows.label}: timing round {rounds} ({total} steps)")
-
-    return time_contenders(contenders, rows.batch, repeats=repeats, warmup=warmup, progress=tick)
 
 
 def _run_header(bundle: ModelBundle, model: str, size: str, repeats: int, warmup: int) -> dict[str, Any]:

@@ -10,13 +10,8 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext
 
 from actplan.config import RecomputeConfig
-from actplan.evaluate.contenders import (
-    PolicyRow,
-    config_installer,
-    policy_rows,
-    prepare_contender,
-    time_contenders,
-)
+from actplan.evaluate.contenders import PolicyRow, config_installer
+from actplan.evaluate.runner import RowRunner, RowSpec
 from actplan.models import build_model
 from bench.peers import main as peers
 from bench.peers.methods import (
@@ -48,16 +43,20 @@ def test_titan_policy_saves_every_other_matmul_and_the_attention_kernel():
 
 def _rows(model: str, entries, compiled: frozenset[str] = frozenset()):
     bundle = build_model(model, "tiny")
-    batch = bundle.make_batch(0)
-    cpu = torch.device("cpu")
-    none = config_installer(RecomputeConfig.from_preset("none"))
-    contenders = [
-        prepare_contender(bundle, name, install, batch, cpu, compiled=name in compiled)
-        for name, install in [("none", none), *entries]
-    ]
-    return {
-        r.name: r for r in policy_rows(contenders, time_contenders(contenders, batch, repeats=1, warmup=0))
-    }
+    return _run(bundle, [("none", config_installer(RecomputeConfig.from_preset("none"))), *entries], compiled)
+
+
+def _run(bundle, entries, compiled: frozenset[str] = frozenset()):
+    """The rows of ``entries`` (``none`` first) through the benches' runner, one timed round;
+    the first compiled row is the compile noise floor."""
+    runner = RowRunner(bundle, bundle.make_batch(0), torch.device("cpu"), repeats=1, warmup=0)
+    (_, none), *others = entries
+    runner.start(none)
+    floors = iter([True])
+    for name, install in others:
+        is_compiled = name in compiled
+        runner.add(RowSpec(name, install, compiled=is_compiled, floor=is_compiled and next(floors, False)))
+    return {row.name: row for row in runner.finish()}
 
 
 @pytest.mark.slow
@@ -316,17 +315,12 @@ def test_titan_llama3_rows_are_exact_under_torchtitans_ac_and_actplans(monkeypat
     assert "titan-llama3" in MODEL_CHOICES
     bundle = build_bench_model("titan-llama3", "tiny")
     assert "Llama3Model" in bundle.description and "SDPA" in bundle.description
-    batch = bundle.make_batch(0)
-    cpu = torch.device("cpu")
     entries = [
         ("none", actplan_installer("titan-llama3", RecomputeConfig.from_preset("none"))),
         *titan_peer_entries(),
         ("matmuls", actplan_installer("titan-llama3", RecomputeConfig.from_preset("matmuls"))),
     ]
-    contenders = [prepare_contender(bundle, name, install, batch, cpu) for name, install in entries]
-    rows = {
-        r.name: r for r in policy_rows(contenders, time_contenders(contenders, batch, repeats=1, warmup=0))
-    }
+    rows = _run(bundle, entries)
     assert set(rows) == {"none", "titan-full", "titan-sac", "matmuls"}
     for row in rows.values():
         assert row.loss_identical and row.census_match and row.max_abs_grad_diff == 0.0, row.name

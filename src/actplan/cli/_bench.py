@@ -91,6 +91,7 @@ def _run_and_report(args: argparse.Namespace, console: Console) -> int:
             reference=not args.no_reference,
             ep=args.ep,
             progress=progress,
+            roofline_gpu=args.gpu,
             command="actplan " + " ".join(sys.argv[1:]) if sys.argv[1:] else "actplan bench",
         )
     console.print(bench_table(result))

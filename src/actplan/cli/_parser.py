@@ -16,6 +16,8 @@ from pathlib import Path
 from actplan.config import PRESETS
 from actplan.devices import resolve_device
 from actplan.evaluate.bench import DEFAULT_POLICIES, OFFLOAD_VARIANTS
+from actplan.evaluate.contenders import ROOFLINE_GPU
+from actplan.measure import ACCELERATORS
 from actplan.models import MODELS
 from actplan.models import hf as hf_models
 
@@ -104,14 +106,18 @@ def _add_bench(sub) -> None:
     parser.add_argument(
         "--no-reference", action="store_true", help="skip the plain torch.utils.checkpoint reference row"
     )
+    parser.add_argument(
+        "--gpu",
+        default=ROOFLINE_GPU,
+        choices=sorted(ACCELERATORS),
+        help="accelerator whose roofline clock prices each row's step (the est. column)",
+    )
     parser.add_argument("--json", metavar="PATH", help="write the full result as JSON")
     parser.add_argument("--markdown", metavar="PATH", help="write a markdown report")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
 def _add_estimate(sub) -> None:
-    from actplan.measure import ACCELERATORS
-
     parser = sub.add_parser(
         "estimate",
         help="does it fit, and with which plan: memory per GPU and estimated step time of each "

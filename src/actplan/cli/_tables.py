@@ -12,7 +12,6 @@ from rich.table import Table
 
 from actplan._install.plan import format_indices
 from actplan.evaluate.bench import BenchResult
-from actplan.evaluate.contenders import ROOFLINE_GPU
 from actplan.evaluate.report import recomputed_gflop
 from actplan.sizes import mib
 
@@ -22,12 +21,13 @@ def bench_table(result: BenchResult) -> Table:
     when a row has them, are ``bench_extra_table``'s."""
     none = result.row("none")
     none_step = f"{none.step_median_s:.3f} s" if none else "-"
+    gpu = next((r.roofline_gpu for r in result.rows if r.roofline_gpu), "gpu")
     table = Table(
         title=f"actplan bench — {result.model} — {result.device}, torch {result.torch_version}",
         caption=f"exact: loss, every gradient and the grad census bit for bit as `none`; analytic "
         f"activation floor {mib(result.floor_bytes)} MiB; `none`'s step {none_step}; {result.warmup} "
         f"warm-up + {result.repeats} interleaved rounds; +GFLOP: FLOPs recomputed per step; est. "
-        f"{ROOFLINE_GPU}: the step priced by a roofline clock (an estimate)",
+        f"{gpu}: the step priced by a roofline clock (an estimate)",
     )
     for column in (
         "policy",
@@ -37,7 +37,7 @@ def bench_table(result: BenchResult) -> Table:
         "peak MiB",
         "time × none",
         "+GFLOP",
-        f"est. {ROOFLINE_GPU}",
+        f"est. {gpu}",
     ):
         table.add_column(column, justify="left" if column == "policy" else "right", no_wrap=True)
     for r in result.rows:

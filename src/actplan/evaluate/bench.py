@@ -25,18 +25,16 @@ from actplan.config import RecomputeConfig
 from actplan.config._presets import OFFLOAD_VARIANTS
 from actplan.devices import resolve_device
 from actplan.evaluate.contenders import (
-    Contender,
+    ROOFLINE_GPU,
     Installer,
     PolicyRow,
     config_installer,
     contender_step,
     has_hf_gradient_checkpointing,
     hf_checkpoint_installer,
-    policy_rows,
-    prepare_contender,
-    time_contenders,
     torch_checkpoint_installer,
 )
+from actplan.evaluate.runner import RowRunner, RowSpec
 from actplan.markers import checkpoint_record, routing_markers
 from actplan.measure import TimingStats, interleaved_timing, ratio
 from actplan.models import ModelBundle, build_model, load_model
@@ -79,7 +77,7 @@ class BenchResult:
         """A result read back from ``to_dict``'s JSON; keys it does not know (a harness's
         additions) are left out."""
         known = {f.name for f in fields(cls)}
-        rows = [PolicyRow(**row) for row in data["rows"]]
+        rows = [PolicyRow.from_record(row) for row in data["rows"]]
         return cls(**{k: v for k, v in data.items() if k in known and k != "rows"}, rows=rows)
 
 
@@ -161,41 +159,23 @@ def _load_bundle(model: str, size: str, ep: int) -> tuple[ModelBundle, int]:
     return load_model(model, size), 0
 
 
-def _prepare_all(
-    bundle: ModelBundle,
-    entries: list[tuple[str, Installer]],
-    batch: dict[str, torch.Tensor],
-    device: torch.device,
-    own_offload_rows: set[str],
-    tracker: ProgressTracker,
-) -> list[Contender]:
-    """Parity and metered step of every row, in order."""
-    contenders = []
-    for name, install in entries:
-        contenders.append(
-            prepare_contender(bundle, name, install, batch, device, quiet_offload=name in own_offload_rows)
-        )
-        tracker.step(f"parity and memory {name}", units=2)
-    return contenders
-
-
 def _overhead_vs_torch_checkpoint(
-    contenders: list[Contender],
-    timings: dict[str, TimingStats],
-    batch: dict[str, torch.Tensor],
-    repeats: int,
-    tracker: ProgressTracker,
+    runner: RowRunner, batch: dict[str, torch.Tensor], repeats: int, tracker: ProgressTracker
 ) -> dict[str, float]:
     """``full`` against the plain reference row: ``repeats`` more paired rounds, pooled with the
     table's rounds, as a median ratio with quartiles."""
-    by_name = {c.name: c for c in contenders}
     pair = ("full", TORCH_CHECKPOINT)
+    contenders = {name: runner.contender(name) for name in pair}
     focused = interleaved_timing(
-        {name: (lambda c=by_name[name]: contender_step(c, batch, seed=2)) for name in pair},
+        {
+            name: (lambda c=contender: contender_step(c, batch, seed=2))
+            for name, contender in contenders.items()
+        },
         repeats=repeats,
         warmup=0,
         progress=lambda label: tracker.step(f"overhead {label}"),
     )
+    timings = runner.timings
     pooled = {name: TimingStats.from_samples(timings[name].samples + focused[name].samples) for name in pair}
     rel = ratio(pooled["full"], pooled[TORCH_CHECKPOINT])
     return {
@@ -221,6 +201,7 @@ def run_bench(
     ep: int = 1,
     progress: ProgressCallback | None = None,
     command: str | None = None,
+    roofline_gpu: str = ROOFLINE_GPU,
 ) -> BenchResult:
     """Run the bench; ``progress`` receives a ``ProgressEvent`` per unit of work (default: the
     ``actplan`` logger at INFO).
@@ -237,7 +218,8 @@ def run_bench(
     the all-to-alls). A Hugging Face model also gets a reference row that switches on
     its own gradient checkpointing (``gradient_checkpointing_enable()``, non-reentrant),
     as the Trainer's ``gradient_checkpointing=True`` does; ``reference=False`` leaves
-    both out.
+    both out. Each eager row's metered step is also priced by a roofline clock for
+    ``roofline_gpu`` (``measure.ACCELERATORS``): the "est. ratio" beside the measured one.
     """
     dev = resolve_device(device)
     bundle, rank = _load_bundle(model, size, ep)
@@ -250,17 +232,26 @@ def run_bench(
     # The offload rows the bench adds itself may move nothing on a small model (every tensor
     # below the default min_bytes): the engine's warning for that is for users' configs only.
     own_offload_rows = {p for p in policies if p in OFFLOAD_VARIANTS}
-    contenders = _prepare_all(bundle, entries, batch, dev, own_offload_rows, tracker)
-    timings = time_contenders(
-        contenders, batch, repeats=repeats, warmup=warmup, progress=lambda x: tracker.step(f"timing {x}")
+    runner = RowRunner(
+        bundle,
+        batch,
+        dev,
+        repeats=repeats,
+        warmup=warmup,
+        roofline_gpu=roofline_gpu,
+        progress=lambda x: tracker.step(f"timing {x}"),
     )
-    rows = policy_rows(contenders, timings)
+    (_, none_install), *others = entries
+    runner.start(none_install)
+    tracker.step("parity and memory none", units=2)
+    for name, install in others:
+        runner.add(RowSpec(name, install, quiet_offload=name in own_offload_rows))
+        tracker.step(f"parity and memory {name}", units=2)
+    rows = runner.finish()
     if ep > 1:
         _gather_per_rank_memory(rows)
     overhead = (
-        _overhead_vs_torch_checkpoint(contenders, timings, batch, overhead_repeats, tracker)
-        if measure_overhead
-        else None
+        _overhead_vs_torch_checkpoint(runner, batch, overhead_repeats, tracker) if measure_overhead else None
     )
     return BenchResult(
         model_name=bundle.name,
@@ -273,7 +264,7 @@ def run_bench(
         repeats=repeats,
         warmup=warmup,
         floor_bytes=bundle.activation_floor_bytes(batch),
-        param_bytes=contenders[0].param_bytes,
+        param_bytes=runner.contender("none").param_bytes,
         rows=rows,
         overhead_vs_torch_checkpoint=overhead,
         marker_cost_ns=measure_marker_cost(),

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
@@ -20,11 +20,13 @@ from torch import nn
 from actplan._engine.offload import quiet_empty_offload
 from actplan._install.apply import apply, held_by_unit, offload_engine
 from actplan._install.baselines import torch_checkpoint
+from actplan._storage import storage_key
 from actplan.config import ConfigError, RecomputeConfig
 from actplan.measure import (
     GradCensus,
     MemoryMeter,
     RooflineClock,
+    SavedTensorMeter,
     StepCapture,
     TimingStats,
     capture_step,
@@ -32,14 +34,18 @@ from actplan.measure import (
     interleaved_timing,
     ratio,
 )
-from actplan.models import ModelBundle, train_step
+from actplan.models import ModelBundle, loss_of, train_step
 
 ROOFLINE_GPU = "h100"
-"""The accelerator the bench's predicted ratios are for (``measure.RooflineClock``)."""
+"""The accelerator the bench's predicted ratios are for by default (``measure.RooflineClock``;
+``actplan bench --gpu`` names another)."""
 
 
 @dataclass
 class PolicyRow:
+    """One row of a bench: parity against ``none``, memory of its metered step, time against
+    ``none``'s in the same interleaved rounds (``None`` until timed)."""
+
     name: str
     description: str
     loss: float
@@ -48,13 +54,20 @@ class PolicyRow:
     census_match: bool
     parity_ok: bool
     activation_bytes: int
-    peak_bytes: int
+    # The metered step's peak; None for a row compiled by Inductor, where the meter's dispatch
+    # mode cannot run inside the graphs (its activation bytes are those autograd saves).
+    peak_bytes: int | None
     cuda_max_allocated_bytes: int | None
-    step_median_s: float
-    step_q25_s: float
-    step_q75_s: float
-    ratio_to_none: float
-    ratio_spread: float
+    step_median_s: float | None = None
+    step_q25_s: float | None = None
+    step_q75_s: float | None = None
+    ratio_to_none: float | None = None
+    ratio_spread: float | None = None
+    # How a report groups it: baseline, preset, peer, automatic-peer, compiled, plan.
+    kind: str = "preset"
+    compiled: bool = False
+    loss_abs_diff: float = 0.0
+    worst_param: str | None = None
     # Expert-parallel runs: every rank's (activation bytes, peak bytes), rank order.
     per_rank_memory: list[tuple[int, int]] | None = None
     # Offloading rows, over the metered step: host-tier peak and bytes moved each way.
@@ -63,8 +76,14 @@ class PolicyRow:
     reloaded_bytes: int | None = None
     # Selective rows: per kept unit, {"held": bytes, "autograd": bytes} (see ``held_by_unit``).
     held_by_unit: dict[str, dict[str, int]] | None = None
-    # Compiled rows: the largest gradient difference parity allowed (0: bit-identical).
+    # The largest differences parity allowed (0: bit-identical): compiled rows, noisy devices.
     grad_atol: float = 0.0
+    loss_atol: float = 0.0
+    # On CUDA: the row's parameters and optimizer state, and the peak of a plain step (no meter).
+    resident_bytes: int | None = None
+    cuda_peak_bytes: int | None = None
+    # Which of the runner's timing groups timed it (on CUDA, as many as device memory needs).
+    timing_group: int | None = None
     # The metered step priced by a roofline clock (eager rows; None for compiled ones): FLOPs,
     # bytes read and written by its ops, and the estimated step time on ``roofline_gpu``
     # against ``none``'s (offload copies charged at the host link, overlapped with compute).
@@ -73,6 +92,17 @@ class PolicyRow:
     predicted_ratio: float | None = None
     roofline_gpu: str | None = None
 
+    @property
+    def bit_exact(self) -> bool:
+        return self.loss_identical and self.max_abs_grad_diff == 0.0 and self.census_match
+
+    @classmethod
+    def from_record(cls, record: Mapping[str, Any]) -> PolicyRow:
+        """A row from its JSON record (``asdict``); keys it does not know (a harness's) are left out."""
+        return cls(**{k: v for k, v in record.items() if k in _ROW_FIELDS})
+
+
+_ROW_FIELDS = frozenset(f.name for f in fields(PolicyRow))
 
 Installer = Callable[[nn.Module], str]
 """Installs one way of checkpointing on a fresh copy of the model and describes it."""
@@ -119,7 +149,7 @@ class Contender:
     optimizer: torch.optim.Optimizer
     capture: StepCapture | None = None
     activation_bytes: int = 0
-    peak_bytes: int = 0
+    peak_bytes: int | None = 0
     cuda_max_allocated_bytes: int | None = None
     param_bytes: int = 0
     # Offloading rows: host-tier peak, bytes moved out and back over the metered step.
@@ -145,20 +175,25 @@ def prepare_contender(
     device: torch.device,
     *,
     compiled: bool = False,
+    saved_tensors: bool = False,
     quiet_offload: bool = False,
     parity_context: Callable[[], AbstractContextManager[Any]] | None = None,
+    roofline_gpu: str = ROOFLINE_GPU,
 ) -> Contender:
-    """Copy the model, install ``install`` on it, run the parity step and one metered step.
+    """Copy the model, install ``install`` on it, run the parity step and one metered step
+    (an eager row's priced by a roofline clock for ``roofline_gpu``).
 
-    ``compiled``: the installer compiled the model with ``backend="aot_eager"``. The metered
-    step then runs the compiled graphs (``MemoryMeter(run_compiled=True)``); without it the
-    meter would measure, and leave behind, the eager code instead.
+    ``compiled``: the installer compiled the model's layers. The metered step then runs the
+    compiled graphs (``MemoryMeter(run_compiled=True)``, for ``backend="aot_eager"``); without
+    it the meter would measure, and leave behind, the eager code instead. With
+    ``saved_tensors`` (Inductor, whose graphs a dispatch mode cannot enter) it counts what
+    autograd saves over the forward instead (``SavedTensorMeter``), and the row has no peak.
 
     ``quiet_offload``: silence the offload engine's "moved nothing" warning for this row (a
     row the bench chose itself, not one the user configured).
 
-    ``parity_context``: makes the context the parity step runs in (the GPU suite's
-    deterministic algorithms); the metered step runs outside it.
+    ``parity_context``: makes the context the parity step runs in (deterministic algorithms,
+    say); the metered step runs outside it.
     """
     model = copy.deepcopy(bundle.model).to(device)
     description = install(model)
@@ -167,18 +202,35 @@ def prepare_contender(
     # Step 0 builds the optimizer state (and compiles), so step 1 is metered with it resident.
     with parity_context() if parity_context is not None else contextlib.nullcontext():
         contender.capture = contender_step(contender, batch, seed=0, capture=True)
-    _metered_step(contender, batch, compiled)
+    if compiled and saved_tensors:
+        _saved_tensors_step(contender, batch)
+    else:
+        _metered_step(contender, batch, compiled, roofline_gpu)
     return contender
 
 
-def _metered_step(contender: Contender, batch: dict[str, torch.Tensor], compiled: bool) -> None:
+def _saved_tensors_step(contender: Contender, batch: dict[str, torch.Tensor]) -> None:
+    """Step 1 of a row Inductor compiled: the bytes autograd saves over its forward."""
+    model, optimizer = contender.model, contender.optimizer
+    torch.manual_seed(1)
+    with SavedTensorMeter(model) as saved:
+        loss = loss_of(model(**batch))
+    contender.activation_bytes = saved.saved_bytes
+    contender.peak_bytes = None
+    loss.backward()
+    del loss
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _metered_step(contender: Contender, batch: dict[str, torch.Tensor], compiled: bool, gpu: str) -> None:
     """Step 1 under the memory meter (and the offload engine's counters, when it offloads)."""
     model = contender.model
     engine = offload_engine(model)
     if engine is not None:
         engine.reset_stats()
     # A plain dispatch mode would make torch.compile run the eager code: no clock on compiled rows.
-    clock = None if compiled else RooflineClock(ROOFLINE_GPU)
+    clock = None if compiled else RooflineClock(gpu)
     if engine is not None:  # its copies on the clock's copy streams, as an estimate's are
         engine.time_copies(None if clock is None else clock.copy_timer())
     with (
@@ -198,6 +250,47 @@ def _metered_step(contender: Contender, batch: dict[str, torch.Tensor], compiled
     contender.peak_bytes = report.peak_bytes
     contender.cuda_max_allocated_bytes = report.cuda_max_allocated_bytes
     contender.param_bytes = report.param_bytes
+
+
+def fresh_capture(
+    bundle: ModelBundle,
+    install: Installer,
+    batch: dict[str, torch.Tensor],
+    device: torch.device,
+    parity_context: Callable[[], AbstractContextManager[Any]] | None = None,
+) -> StepCapture:
+    """The parity step of ``install`` on a fresh copy of the model, without a row: loss and
+    gradients from the same start as every row's first step (a second ``none``, for the noise
+    floor)."""
+    model = copy.deepcopy(bundle.model).to(device)
+    install(model)
+    captured: list[StepCapture] = []
+    with parity_context() if parity_context is not None else contextlib.nullcontext():
+        train_step(
+            model, batch, seed=0, after_backward=lambda loss: captured.append(capture_step(model, loss))
+        )
+    return captured[0]
+
+
+def resident_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """The bytes of ``model``'s parameters and ``optimizer``'s state, each storage once."""
+    tensors = [*model.parameters()]
+    tensors += [
+        v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)
+    ]
+    return sum({storage_key(t): t.untyped_storage().nbytes() for t in tensors}.values())
+
+
+def cuda_step_peak(contender: Contender, batch: dict[str, torch.Tensor], device: torch.device) -> int:
+    """Peak device bytes of one plain training step (no meter): what the allocator saw grow,
+    plus the row's own parameters and optimizer state. Other rows' bytes are not counted."""
+    torch.cuda.synchronize(device)
+    resident = resident_bytes(contender.model, contender.optimizer)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    train_step(contender.model, batch, contender.optimizer, seed=3)
+    torch.cuda.synchronize(device)
+    return resident + torch.cuda.max_memory_allocated(device) - base
 
 
 def _held_by_unit(model: nn.Module) -> dict[str, dict[str, int]] | None:
@@ -227,36 +320,28 @@ def time_contenders(
     )
 
 
-def policy_rows(contenders: list[Contender], timings: dict[str, TimingStats]) -> list[PolicyRow]:
-    """One row per contender: parity against the row named ``none``, memory, time ratio."""
-    none = next(c for c in contenders if c.name == "none")
-    rows = [_policy_row(contender, none.capture, timings) for contender in contenders]
-    none_seconds = predicted_seconds(none)
-    for contender, row in zip(contenders, rows, strict=True):
-        seconds = predicted_seconds(contender)
-        if seconds is not None and none_seconds:
-            row.predicted_ratio = seconds / none_seconds
-    return rows
-
-
-def predicted_seconds(contender: Contender) -> float | None:
-    """The roofline clock's step time for ``contender``: its compute and what the compute
-    waits for, an offloading row's copies included (timed on the clock's copy streams at the
-    host link, as an estimate's are)."""
-    return None if contender.clock is None else contender.clock.seconds
-
-
-def _policy_row(contender: Contender, baseline: StepCapture, timings: dict[str, TimingStats]) -> PolicyRow:
+def contender_row(
+    contender: Contender,
+    baseline: StepCapture,
+    none_clock: RooflineClock | None,
+    *,
+    kind: str = "preset",
+    compiled: bool = False,
+) -> PolicyRow:
+    """``contender``'s row, untimed: parity against ``baseline`` within the contender's
+    tolerances, its memory, and its step priced against ``none``'s clock."""
     parity = compare_steps(
         baseline, contender.capture, grad_atol=contender.grad_atol, loss_atol=contender.loss_atol
     )
-    stats = timings[contender.name]
-    rel = ratio(stats, timings["none"])
     host_peak, offloaded, reloaded = contender.moved or (None, None, None)
+    clock = contender.clock
+    predicted = None
+    if clock is not None and none_clock is not None and none_clock.seconds:
+        predicted = clock.seconds / none_clock.seconds
     return PolicyRow(
         name=contender.name,
         description=contender.description,
-        loss=float(contender.capture.loss),
+        loss=float(contender.capture.loss.float()),
         loss_identical=parity.loss_identical,
         max_abs_grad_diff=parity.max_abs_grad_diff,
         census_match=parity.census_match,
@@ -264,20 +349,28 @@ def _policy_row(contender: Contender, baseline: StepCapture, timings: dict[str, 
         activation_bytes=contender.activation_bytes,
         peak_bytes=contender.peak_bytes,
         cuda_max_allocated_bytes=contender.cuda_max_allocated_bytes,
-        step_median_s=stats.median,
-        step_q25_s=stats.q25,
-        step_q75_s=stats.q75,
-        ratio_to_none=rel.median,
-        ratio_spread=rel.spread,
+        kind=kind,
+        compiled=compiled,
+        loss_abs_diff=parity.loss_abs_diff,
+        worst_param=parity.worst_param,
         host_peak_bytes=host_peak,
         offloaded_bytes=offloaded,
         reloaded_bytes=reloaded,
         held_by_unit=contender.held_by_unit,
         grad_atol=contender.grad_atol,
-        flops=None if contender.clock is None else contender.clock.flops,
-        bytes_moved=None if contender.clock is None else contender.clock.bytes_moved,
-        roofline_gpu=None if contender.clock is None else contender.clock.accelerator.name,
+        loss_atol=contender.loss_atol,
+        flops=None if clock is None else clock.flops,
+        bytes_moved=None if clock is None else clock.bytes_moved,
+        predicted_ratio=predicted,
+        roofline_gpu=None if clock is None else clock.accelerator.name,
     )
+
+
+def set_timing(row: PolicyRow, stats: TimingStats, none: TimingStats) -> None:
+    """``row``'s step time and its ratio to ``none``'s, from the same interleaved rounds."""
+    rel = ratio(stats, none)
+    row.step_median_s, row.step_q25_s, row.step_q75_s = stats.median, stats.q25, stats.q75
+    row.ratio_to_none, row.ratio_spread = rel.median, rel.spread
 
 
 def contender_step(

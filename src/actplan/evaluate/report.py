@@ -6,7 +6,7 @@ Reads only ``evaluate.bench``'s result types and ``actplan.sizes``; writes nothi
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from actplan.evaluate.bench import BenchResult
 from actplan.evaluate.contenders import PolicyRow
@@ -43,32 +43,64 @@ def _context(result: BenchResult) -> list[str]:
 
 
 def _policy_table(result: BenchResult) -> list[str]:
-    # Results from before the roofline columns existed render as they did.
-    priced = any(r.flops is not None for r in result.rows)
-    extra_head, extra_rule = (" recomputed GFLOP | est. ratio on GPU |", "---|---|") if priced else ("", "")
-    lines = [
-        "| policy | loss identical | max abs dgrad | grad census | activations @ fwd end (MiB) "
-        "| vs none | peak (MiB) | step median (s) | ratio to none |" + extra_head,
-        "|---|---|---|---|---|---|---|---|---|" + extra_rule,
-    ]
-    none = result.row("none")
-    for r in result.rows:
-        rel = r.activation_bytes / none.activation_bytes if none else float("nan")
-        extra = f" {recomputed_gflop(r, none)} | {predicted_text(r)} |" if priced else ""
-        lines.append(
-            f"| {r.name} | {'yes' if r.loss_identical else 'NO'} | {r.max_abs_grad_diff:.1e} | "
-            f"{'match' if r.census_match else 'MISMATCH'} | {mib(r.activation_bytes)} | {rel:.2f} | "
-            f"{mib(r.peak_bytes)} | {r.step_median_s:.3f} | {r.ratio_to_none:.3f} ± {r.ratio_spread:.3f} |"
-            + extra
-        )
-    if priced:
+    lines = rows_markdown(result.rows)
+    if any(r.flops is not None for r in result.rows):
         lines += [
             "",
             "Recomputed GFLOP: the row's step FLOPs minus `none`'s. Est. ratio: the same step priced by "
             "a roofline clock for the named GPU (FLOPs at its peak, bytes at its HBM bandwidth, offload "
-            "copies at its host link): an estimate, deterministic, beside the CPU-measured ratio.",
+            "copies at its host link): an estimate, deterministic, beside the measured ratio.",
         ]
     return lines
+
+
+def rows_markdown(rows: Sequence[PolicyRow], errors: Mapping[str, str] | None = None) -> list[str]:
+    """The one rows table of every bench (``actplan bench``, the peers, the GPU suite): parity
+    (``exact``: loss, every gradient and the grad census bit for bit; ``ok``: within the row's
+    allowance, shown), activation bytes and their share of ``none``'s, peaks, time against ``none``.
+    A kind column where rows of several kinds stand together, the allocator's peak where CUDA
+    measured it, the roofline columns where rows were priced; ``errors``: rows that did not run."""
+    none = next((r for r in rows if r.name == "none"), None)
+    kinds = len({r.kind for r in rows} - {"baseline"}) > 1
+    cuda = any(r.cuda_peak_bytes is not None for r in rows)
+    priced = any(r.flops is not None for r in rows)
+    head = ["row", *(["kind"] if kinds else []), "parity", "max abs dgrad (allowed)"]
+    head += ["activations @ fwd end (MiB)", "vs none", "peak (MiB)"]
+    head += ["peak, max_memory_allocated (MiB)"] if cuda else []
+    head += ["step median (s)", "ratio to none"]
+    head += ["recomputed GFLOP", "est. ratio on GPU"] if priced else []
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        share = f"{r.activation_bytes / none.activation_bytes:.2f}" if none and none.activation_bytes else "-"
+        cells = [r.name, *([r.kind] if kinds else []), _parity_text(r)]
+        cells.append(f"{r.max_abs_grad_diff:.1e}" + (f" ({r.grad_atol:.1e})" if r.grad_atol else ""))
+        cells += [mib(r.activation_bytes), share, mib(r.peak_bytes) if r.peak_bytes is not None else "-"]
+        cells += [mib(r.cuda_peak_bytes) if r.cuda_peak_bytes is not None else "-"] if cuda else []
+        timed = r.step_median_s is not None
+        cells.append(f"{r.step_median_s:.3f}" if timed else "-")
+        cells.append(f"{r.ratio_to_none:.3f} ± {r.ratio_spread:.3f}" if timed else "-")
+        cells += [recomputed_gflop(r, none), predicted_text(r)] if priced else []
+        lines.append("| " + " | ".join(cells) + " |")
+    for name, error in (errors or {}).items():
+        lines.append(f"| {name} | ERROR: {error} |" + " |" * (len(head) - 2))
+    return lines
+
+
+def _parity_text(row: PolicyRow) -> str:
+    if row.bit_exact:
+        return "exact"
+    if row.parity_ok:
+        return "ok"
+    wrong = [
+        what
+        for what, same in (
+            ("loss", row.loss_identical),
+            ("gradients", row.max_abs_grad_diff <= row.grad_atol),
+        )
+        if not same
+    ]
+    wrong += [] if row.census_match else ["census"]
+    return "FAIL: " + ", ".join(wrong or ["loss"])
 
 
 def recomputed_gflop(row: PolicyRow, none: PolicyRow | None) -> str:

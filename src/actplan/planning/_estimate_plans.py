@@ -292,7 +292,13 @@ def plan_within(
                 f"the plan for {human_bytes(target)} pins {human_bytes(row.moved.host_bytes)} of host "
                 f"memory, {human_bytes(over_host)} over the host budget: planning again under less"
             )
-            planner = replace(planner, problem=replace(planner.problem, host_budget_bytes=host - over_host))
+            problem = replace(planner.problem, host_budget_bytes=host - over_host)
+            try:
+                least = int(minimum_peak(problem)[0])
+            except BudgetError as err:  # below what any plan offloads
+                refused.append(str(err))
+                return None
+            planner = replace(planner, problem=problem, minimum=least)
             continue
         if excess <= 0 or allowed == planner.minimum:
             break  # fits, or the plan that holds least does not fit either

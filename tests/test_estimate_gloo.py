@@ -19,20 +19,62 @@ pytestmark = pytest.mark.ranks
 
 WORKER = Path(__file__).parent / "dist" / "estimate_worker.py"
 SHAPE = Shape(layers=2, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=128, seq=32, batch=2, dtype="fp32")
+MOE = Shape(
+    model="moe", layers=3, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=128, seq=32, batch=2,
+    dtype="fp32", experts=4, top_k=2, expert_ffn=64, shared_ffn=32, first_k_dense=1,
+)  # fmt: skip
+OFFLOADS = {
+    "full+offload": {"preset": "full", "offload": {"layer_input": True, "min_bytes": 0}},
+    "matmuls+offload": {"preset": "matmuls", "offload": {"units": "kept", "min_bytes": 0}},
+}
+PLAIN = {  # id: (fsdp, tp, preset)
+    "fsdp4-full": (4, 1, "full"),
+    "fsdp2-matmuls": (2, 1, "matmuls"),
+    "tp2-full": (1, 2, "full"),
+    "dp2tp2-titan-op-sac": (2, 2, "titan-op-sac"),
+}
+OFFLOADED = {"fsdp2": (2, 1, "full+offload"), "tp2": (1, 2, "matmuls+offload")}
+EXPERTS = {"full-fp32": ("full", "fp32"), "matmuls-fp32": ("matmuls", "fp32"), "full-bf16": ("full", "bf16")}
+
+
+def _scenarios(folder: Path) -> dict[str, dict]:
+    """Every scenario below: its shape, layout and preset (an offload config as a file's path,
+    the same path the fake rank is given)."""
+    scenarios = {}
+    for name, (fsdp, tp, preset) in PLAIN.items():
+        scenarios[name] = {"shape": SHAPE.to_dict(), "fsdp": fsdp, "tp": tp, "preset": preset}
+    for name, (fsdp, tp, offload) in OFFLOADED.items():
+        config = folder / f"{offload}.json"
+        config.write_text(json.dumps(OFFLOADS[offload]))
+        plan = {"shape": SHAPE.to_dict(), "fsdp": fsdp, "tp": tp, "preset": str(config)}
+        scenarios[f"offload-{name}"] = plan
+    for name, (preset, dtype) in EXPERTS.items():
+        moe = dataclasses.replace(MOE, dtype=dtype).to_dict()
+        scenarios[f"ep-{name}"] = {"shape": moe, "fsdp": 2, "tp": 1, "preset": preset, "ep": 2}
+    return scenarios
+
+
+@pytest.fixture(scope="module")
+def real(tmp_path_factory):
+    """Every scenario's real gloo run: one launch per world size, each running all of its
+    scenarios in one process group; ``real(name)`` is rank 0's figures."""
+    folder = tmp_path_factory.mktemp("gloo")
+    scenarios = _scenarios(folder)
+    results: dict[str, dict] = {}
+    for world in sorted({s["fsdp"] * s["tp"] for s in scenarios.values()}):
+        mine = {name: s for name, s in scenarios.items() if s["fsdp"] * s["tp"] == world}
+        path = folder / f"scenarios-{world}.json"
+        path.write_text(json.dumps(mine))
+        results |= run_ranks(WORKER, [str(path)], folder / f"out-{world}.json", nproc=world, timeout=300)
+    return lambda name: (results[name]["ranks"][0], scenarios[name])
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "fsdp,tp,preset",
-    [(4, 1, "full"), (2, 1, "matmuls"), (1, 2, "full"), (2, 2, "titan-op-sac")],
-    ids=["fsdp4-full", "fsdp2-matmuls", "tp2-full", "dp2tp2-titan-op-sac"],
-)
-def test_rank_zero_of_a_real_gloo_run_holds_what_the_fake_rank_holds(tmp_path, fsdp, tp, preset):
-    shape = tmp_path / "shape.json"
-    shape.write_text(json.dumps(SHAPE.to_dict()))
-    real = run_ranks(WORKER, [str(shape), str(fsdp), str(tp), preset], tmp_path / "out.json", nproc=fsdp * tp)
+@pytest.mark.parametrize("name", PLAIN)
+def test_rank_zero_of_a_real_gloo_run_holds_what_the_fake_rank_holds(real, name):
+    rank0, _ = real(name)
+    fsdp, tp, preset = PLAIN[name]
     fake = dataclasses.asdict(rank_step(SHAPE, preset, fsdp, "h100", tp=tp))
-    rank0 = real["ranks"][0]
     rank0.pop("routing")
     # Named difference: the roofline clock's time, which is not this test's subject (under TP
     # it prices a few ops more on real tensors; FLOPs are compared).
@@ -48,51 +90,31 @@ def _drop_times(*figures: dict) -> None:
             each["moved"].pop("exposed_seconds")  # follows the clock's forward and backward times
 
 
-OFFLOADS = {
-    "full+offload": {"preset": "full", "offload": {"layer_input": True, "min_bytes": 0}},
-    "matmuls+offload": {"preset": "matmuls", "offload": {"units": "kept", "min_bytes": 0}},
-}
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "fsdp,tp,offload", [(2, 1, "full+offload"), (1, 2, "matmuls+offload")], ids=["fsdp2", "tp2"]
-)
-def test_offload_on_a_real_gloo_run_moves_what_the_fake_rank_moves(tmp_path, fsdp, tp, offload):
+@pytest.mark.parametrize("name", OFFLOADED)
+def test_offload_on_a_real_gloo_run_moves_what_the_fake_rank_moves(real, name):
     """Offload through the real parallel path: the fake rank's device bytes, host tier and
     moved bytes equal rank 0's of real gloo ranks (the engine moves fake tensors as real ones)."""
-    shape, config = tmp_path / "shape.json", tmp_path / "offload.json"
-    shape.write_text(json.dumps(SHAPE.to_dict()))
-    config.write_text(json.dumps(OFFLOADS[offload]))
-    args = [str(shape), str(fsdp), str(tp), str(config)]
-    real = run_ranks(WORKER, args, tmp_path / "out.json", nproc=fsdp * tp)
-    fake = dataclasses.asdict(rank_step(SHAPE, str(config), fsdp, "h100", tp=tp))
-    rank0 = real["ranks"][0]
+    rank0, scenario = real(f"offload-{name}")
+    fsdp, tp, _ = OFFLOADED[name]
+    fake = dataclasses.asdict(rank_step(SHAPE, scenario["preset"], fsdp, "h100", tp=tp))
     rank0.pop("routing")
     _drop_times(fake, rank0)
     assert fake["moved"]["offloaded_bytes"] > 0 and fake["moved"]["host_bytes"] > 0
     assert rank0 == fake
 
 
-MOE = Shape(
-    model="moe", layers=3, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=128, seq=32, batch=2,
-    dtype="fp32", experts=4, top_k=2, expert_ffn=64, shared_ffn=32, first_k_dense=1,
-)
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("preset,dtype", [("full", "fp32"), ("matmuls", "fp32"), ("full", "bf16")])
-def test_expert_parallel_rank_zero_holds_what_the_fake_rank_holds_on_its_routing(tmp_path, preset, dtype):
+@pytest.mark.parametrize("name", EXPERTS)
+def test_expert_parallel_rank_zero_holds_what_the_fake_rank_holds_on_its_routing(real, name):
     """MoE with its experts over 2 ranks: the fake rank, replaying the token counts rank 0
     recorded (its routers' and those the other rank sent it), holds what rank 0 held. In bf16
     the experts, which FSDP leaves out, compute in bf16 too (a real matmul refuses mixed
     dtypes, which a fake one lets through)."""
-    moe = dataclasses.replace(MOE, dtype=dtype)
-    shape = tmp_path / "shape.json"
-    shape.write_text(json.dumps(moe.to_dict()))
-    real = run_ranks(WORKER, [str(shape), "2", "1", preset, "2"], tmp_path / "out.json", nproc=2)
-    rank0 = real["ranks"][0]
+    rank0, _ = real(f"ep-{name}")
+    preset, dtype = EXPERTS[name]
     routing = rank0.pop("routing")
+    moe = dataclasses.replace(MOE, dtype=dtype)
     fake = dataclasses.asdict(rank_step(moe, preset, 2, "h100", ep=2, routing=routing))
     _drop_times(fake, rank0)
     assert rank0 == fake

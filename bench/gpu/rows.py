@@ -16,7 +16,7 @@ from actplan.evaluate import runner as evaluate_runner
 from actplan.evaluate.bench import policy_config
 from actplan.evaluate.contenders import Installer, PolicyRow, config_installer
 from actplan.evaluate.report import rows_markdown as report_rows
-from actplan.evaluate.runner import RowSpec, release_cache
+from actplan.evaluate.runner import RowSpec
 from actplan.models import ModelBundle
 from bench.gpu.context import Determinism, StageContext, say
 from bench.gpu.report import StageReport
@@ -123,7 +123,7 @@ class RowRunner:
     def finish(self) -> list[dict[str, Any]]:
         self._runner.finish()
         self._sync()
-        release_cache(self.ctx.device)
+        self._runner.close()
         return self.rows
 
     def _sync(self) -> None:
@@ -144,9 +144,10 @@ _TIMING = ("step_median_s", "step_q25_s", "step_q75_s", "ratio_to_none", "ratio_
 
 
 def _record(row: PolicyRow) -> dict[str, Any]:
-    """A row as the suite's report keeps it: its fields, whether it is bit-exact, and the timing
-    keys only once timed (the stages read ``"ratio_to_none" in record`` as "timed")."""
-    data = {k: v for k, v in asdict(row).items() if k not in _TIMING or v is not None}
+    """A row as the suite's report keeps it: its fields, whether it is bit-exact, the timing
+    keys only once timed (the stages read ``"ratio_to_none" in record`` as "timed"), and an
+    ``error`` only when its plain CUDA step failed."""
+    data = {k: v for k, v in asdict(row).items() if k not in (*_TIMING, "error") or v is not None}
     return {**data, "bit_exact": row.bit_exact}
 
 

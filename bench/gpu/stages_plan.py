@@ -11,12 +11,13 @@ import torch
 
 from actplan.evaluate.bench import policy_config
 from actplan.evaluate.contenders import PolicyRow, config_installer
+from actplan.evaluate.runner import release_cache
 from actplan.models import ModelBundle
 from actplan.sizes import mib
 from bench.gpu.context import StageContext, say
 from bench.gpu.models import batch_on
 from bench.gpu.report import StageReport, fmt_value
-from bench.gpu.rows import RowRunner, RowSpec, meter_check, release_cache, rows_markdown
+from bench.gpu.rows import RowRunner, RowSpec, meter_check, rows_markdown
 
 PLAN_SHARES = (0.5, 0.15)
 """The two budgets of ``stage_plan``: these shares of the way from ``full``'s peak to ``none``'s."""

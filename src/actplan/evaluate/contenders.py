@@ -84,6 +84,8 @@ class PolicyRow:
     cuda_peak_bytes: int | None = None
     # Which of the runner's timing groups timed it (on CUDA, as many as device memory needs).
     timing_group: int | None = None
+    # What went wrong after its parity and metered steps (the plain CUDA step ran out of memory).
+    error: str | None = None
     # The metered step priced by a roofline clock (eager rows; None for compiled ones): FLOPs,
     # bytes read and written by its ops, and the estimated step time on ``roofline_gpu``
     # against ``none``'s (offload copies charged at the host link, overlapped with compute).

@@ -178,7 +178,11 @@ class RowRunner:
             contender.capture = None  # a copy of every gradient: not kept past the check
         if self.cuda:
             row.resident_bytes = resident_bytes(contender.model, contender.optimizer)
-            row.cuda_peak_bytes = cuda_step_peak(contender, self.batch, self.device)
+            try:
+                row.cuda_peak_bytes = cuda_step_peak(contender, self.batch, self.device)
+            except torch.cuda.OutOfMemoryError as err:  # the row's parity and meter stand
+                row.error = error_text(err)
+                release_cache(self.device)
         self.rows.append(row)
         return row
 
@@ -198,32 +202,38 @@ class RowRunner:
         ``memory_groups``, free them."""
         if not self._group:
             return
+        group, self._group = self._group, []
         self._groups += 1
-        contenders = [self._none, *self._group]
-        self.say(
-            f"timing {len(contenders)} rows" + (f" (group {self._groups})" if self.memory_groups else "")
-        )
+        names = ["none", *(c.name for c in group)]
+        self.say(f"timing {len(names)} rows" + (f" (group {self._groups})" if self.memory_groups else ""))
         timings = time_contenders(
-            contenders, self.batch, repeats=self.repeats, warmup=self.warmup, progress=self.progress
+            [self._none, *group], self.batch, repeats=self.repeats, warmup=self.warmup, progress=self.progress
         )
         by_name = {row.name: row for row in self.rows}
-        for contender in contenders:
-            row = by_name[contender.name]
-            if contender is self._none and row.step_median_s is not None:
+        for name in names:
+            row = by_name[name]
+            if name == "none" and row.step_median_s is not None:
                 continue  # none's time of its first group stands; later groups only pair with it
-            set_timing(row, timings[contender.name], timings["none"])
+            set_timing(row, timings[name], timings["none"])
             row.timing_group = self._groups
-            self.timings[contender.name] = timings[contender.name]
+            self.timings[name] = timings[name]
         if self.memory_groups and self.cuda:
-            for contender in self._group:
+            for contender in group:
                 self._contenders.pop(contender.name, None)
+            del group, contender  # the last references: the cache can give their blocks back
             release_cache(self.device)
-        self._group.clear()
 
     def finish(self) -> list[PolicyRow]:
         """Time what is left; the rows in the order they were added."""
         self.flush()
         return self.rows
+
+    def close(self) -> None:
+        """Drop every row's model and optimizer, ``none``'s too (its baseline capture with it)."""
+        self._group.clear()
+        self._contenders.clear()
+        self._none = None
+        release_cache(self.device)
 
 
 def error_text(err: BaseException) -> str:

@@ -256,8 +256,10 @@ def plan_within(
     bytes), then stepped; while its reserved bytes (plus ``outside``) exceed ``target`` it is
     planned again under a budget lowered by the excess and by the gap between the stepped plan's
     reserved bytes and its prediction, at most ``_PLAN_TRIES`` times. ``step`` steps a config
-    and returns its ``EstimateRow``. Returns the last row stepped (``None`` when none was, with
-    the reason appended to ``refused``)."""
+    and returns its ``EstimateRow``. A stepped plan pinning more host memory than the host budget
+    (the offload pool rounds buffers up to its size classes) is planned again under a host budget
+    lowered by the excess. Returns the last row stepped (``None`` when none was, or when no plan
+    fits under a host budget so lowered, with the reason appended to ``refused``)."""
     usable = target - outside
     row = None
     if usable <= 0:

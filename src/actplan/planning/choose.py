@@ -52,7 +52,10 @@ def made_for(
         "layers": len(classes),
         "layer_classes": dict(class_ranges(classes)),
         **_batch_shape(bundle.batch(0)),
-        "layer_input": list(layer_input or first_layer_input(bundle.model, bundle.batch(0, device))) or None,
+        "layer_input": list(
+            layer_input or first_layer_input(bundle.model, bundle.batch(0, _home(bundle.model)))
+        )
+        or None,
         "dtype": _dtype(bundle.model),
         "device": str(device),
         "budget": None if budget is None else str(budget),
@@ -60,6 +63,12 @@ def made_for(
         "actplan_version": _version(),
     }
     return {key: value for key, value in block.items() if value is not None}
+
+
+def _home(model: torch.nn.Module) -> torch.device:
+    """Where ``model``'s parameters are (the CPU for a model without any)."""
+    first = next(model.parameters(), None)
+    return first.device if first is not None else torch.device("cpu")
 
 
 class _Reached(Exception):

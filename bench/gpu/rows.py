@@ -71,10 +71,6 @@ class RowRunner:
             say=lambda line: say(f"{self.key}: {line}"),
         )
 
-    @property
-    def noise(self) -> dict[str, float]:
-        return self._runner.noise
-
     def start(self) -> None:
         say(f"{self.key}: deterministic parity steps: {self.exact.on}")
         self._runner.start(config_installer(policy_config("none")), noise_floor=True)

@@ -224,8 +224,8 @@ def apply(
 class _FirstInputCheck:
     """A forward pre-hook on the first layer: on its first eager call, the input against
     ``made.layer_input``. Another width is a ``ConfigError`` (another model); more tokens a
-    warning (the planned peak does not hold). Once an input passes it does nothing, and a
-    compiled forward skips it. Deepcopy copies it with its handle; a pickled model loads a check
+    warning (the planned peak does not hold). Once an input passes it removes itself; a compiled
+    forward skips it. Deepcopy copies it with its handle; a pickled model loads a check
     that has passed (its plan is not installed there)."""
 
     def __init__(self, made: MadeFor | None, first: nn.Module | None = None) -> None:
@@ -240,6 +240,7 @@ class _FirstInputCheck:
         if (mismatch := self.made.width_mismatch(shape)) is not None:
             raise ConfigError(mismatch)
         note, self.made = self.made.more_tokens(shape), None
+        self.remove()  # passed: later calls pay nothing
         if note is not None:
             warn(note)
 

@@ -2,11 +2,10 @@
 ``none`` first, then each row on its own copy of the model, checked against ``none`` and
 metered, then timed interleaved against ``none``.
 
-- Parity: a row's first step against ``none``'s, bit for bit unless something allows more. A
-  row may bring its own tolerances (``RowSpec.tolerance``); otherwise it gets ``NOISE_FACTOR``
-  times the noise floor the runner measured: two ``none`` runs (``start(noise_floor=True)``),
-  and for compiled rows what compiling alone changes (the first compiled row, ``RowSpec.floor``:
-  one that does what ``none`` does, compiled).
+- Parity: a row's first step against ``none``'s, within ``NOISE_FACTOR`` times the noise floor
+  the runner measured (bit for bit when it measured none): two ``none`` runs
+  (``start(noise_floor=True)``), and for compiled rows what compiling alone changes (the row
+  marked ``RowSpec.floor``: one that does what ``none`` does, compiled).
 - Determinism: ``parity_context`` makes the context every parity step runs in; the metered and
   timed steps run outside it.
 - Memory: one metered step per row (activation bytes at the end of forward, peak, host tier for
@@ -58,15 +57,14 @@ class RowSpec:
     """One row: its name, how it installs its checkpointing, how reports group it (``kind``:
     baseline, preset, peer, automatic-peer, compiled, plan), and whether its layers are compiled.
     ``floor``: this compiled row does what ``none`` does, compiled; its difference from ``none``
-    is the compile noise floor of the rows after it. ``tolerance``: its own (loss, gradient)
-    allowance. ``quiet_offload``: a row the bench chose itself, whose offload may move nothing."""
+    is the compile noise floor of the rows after it. ``quiet_offload``: a row the bench chose
+    itself, whose offload may move nothing."""
 
     name: str
     install: Installer
     kind: str = "preset"
     compiled: bool = False
     floor: bool = False
-    tolerance: tuple[float, float] | None = None
     quiet_offload: bool = False
 
 
@@ -159,7 +157,7 @@ class RowRunner:
             if spec.floor:
                 floor = compare_steps(self.baseline, contender.capture)
                 self.noise.update(compile_loss=floor.loss_abs_diff, compile_grad=floor.max_abs_grad_diff)
-            contender.loss_atol, contender.grad_atol = spec.tolerance or self.tolerances(spec.compiled)
+            contender.loss_atol, contender.grad_atol = self.tolerances(spec.compiled)
             row = self._row(contender, spec)
         except Exception as err:
             if not self.keep_going:

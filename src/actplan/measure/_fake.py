@@ -55,6 +55,7 @@ from actplan._torch_internals import (
     FakeTensorMode,
     OpOverload,
     TorchDispatchMode,
+    is_traceable_wrapper_subclass,
     op_schema,
     process_group_named,
 )
@@ -71,20 +72,30 @@ def is_fake(tensor: object) -> bool:
     return isinstance(tensor, FakeTensor)
 
 
+def _holds_fake(tensor: torch.Tensor) -> bool:
+    """A fake tensor, or a wrapper subclass (a DTensor) around one."""
+    if is_fake(tensor):
+        return True
+    if not is_traceable_wrapper_subclass(tensor):
+        return False
+    names, _ = tensor.__tensor_flatten__()
+    return any(_holds_fake(getattr(tensor, name)) for name in names)
+
+
 _Module = TypeVar("_Module", bound=nn.Module)
 
 
 def copy_module(module: _Module) -> _Module:
     """``copy.deepcopy(module)``, also when its tensors are fake: ``deepcopy`` of a fake tensor
     makes one of a new fake mode, which cannot meet the running one's tensors. Fake parameters,
-    buffers and tensor attributes are cloned in the running mode first; a real module is
-    deep-copied as it is."""
+    buffers and tensor attributes (and DTensors around fake ones, a tensor-parallel layer's)
+    are cloned in the running mode first; a real module is deep-copied as it is."""
     tensors: dict[int, torch.Tensor] = {}
     for m in module.modules():
         for value in (*m._parameters.values(), *m._buffers.values(), *vars(m).values()):
             if isinstance(value, torch.Tensor):
                 tensors.setdefault(id(value), value)
-    if not any(is_fake(t) for t in tensors.values()):
+    if not any(_holds_fake(t) for t in tensors.values()):
         return copy.deepcopy(module)
     memo: dict[int, Any] = {}
     with torch.no_grad():

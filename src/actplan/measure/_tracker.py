@@ -241,16 +241,21 @@ class StorageTracker(TorchDispatchMode):
                 self._observe_all(item, info)
 
     def _observe(self, tensor: torch.Tensor, info: tuple[bool, str]) -> None:
-        if type(tensor) is not torch.Tensor:
-            if isinstance(tensor, FakeTensor):
-                if self.fake_mode is None or tensor.fake_mode is not self.fake_mode:
-                    return
-            elif is_traceable_wrapper_subclass(tensor):
-                # e.g. DTensor: the memory lives in the inner tensors it wraps.
-                inner_names, _ = tensor.__tensor_flatten__()
-                self._observe_all((getattr(tensor, name) for name in inner_names), info)
+        if type(tensor) is torch.Tensor:
+            if tensor.is_meta:
                 return
-        if tensor.is_meta:
+        elif isinstance(tensor, FakeTensor):
+            if self.fake_mode is None or tensor.fake_mode is not self.fake_mode:
+                return
+            # Its device as a field: ``is_meta`` would ask the dispatcher (every mode's handler).
+            if tensor.fake_device.type == "meta":
+                return
+        elif is_traceable_wrapper_subclass(tensor):
+            # e.g. DTensor: the memory lives in the inner tensors it wraps.
+            inner_names, _ = tensor.__tensor_flatten__()
+            self._observe_all((getattr(tensor, name) for name in inner_names), info)
+            return
+        elif tensor.is_meta:
             return
         try:
             storage = tensor.untyped_storage()

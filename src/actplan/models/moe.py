@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from actplan.markers import checkpoint_record
@@ -412,8 +412,7 @@ class MoEModel(nn.Module):
     def tensor_parallel_plan(self, tp: int, sequence_parallel: bool | None = None) -> TPPlan:
         """As the dense model's, with ``MoE.tensor_parallel_plan`` for the MoE blocks; no
         sequence parallelism (``sequence_parallel=True`` raises ``ValueError``)."""
-        shared = self.config.shared_expert_ffn_dim
-        sizes = {"shared_expert_ffn_dim": shared} if shared else {}
+        sizes = {"shared_expert_ffn_dim": shared} if (shared := self.config.shared_expert_ffn_dim) else {}
         return model_tp_plan(self, tp, bool(sequence_parallel), sizes)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> MoEOutput:
@@ -432,7 +431,8 @@ class MoEModel(nn.Module):
         lm_loss = loss = None
         if labels is not None:
             lm_loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
-            loss = lm_loss + self.config.aux_loss_coef * aux_loss
+            whole = lm_loss.to_local() if isinstance(lm_loss, DTensor) else lm_loss  # loss parallel
+            loss = whole + self.config.aux_loss_coef * aux_loss
         return {
             "loss": loss,
             "lm_loss": lm_loss,

@@ -12,10 +12,12 @@ from typing import Any
 
 import torch
 
+from actplan._install.tensor_parallel import tensor_parallelize
 from actplan.config import RecomputeConfig
 from actplan.measure import Accelerator, FakeRun
-from actplan.models import build_for_shape
+from actplan.models import ModelBundle, build_for_shape
 from actplan.models.shape import DTYPES, Shape
+from actplan.planning._rank_step import fake_world, loss_parallel_plan
 from actplan.planning.choose import config_for, made_for
 from actplan.planning.planner import BudgetError, minimum_peak, none_peak, plan_summary, solve
 from actplan.planning.profile import ModelProfile, profile_model
@@ -191,19 +193,49 @@ class Planner:
 
 
 def shallow_profile(
-    shape: Shape, gpu: str | Accelerator, say: Callable[[str], None] | None = None
+    shape: Shape, gpu: str | Accelerator, say: Callable[[str], None] | None = None, tp: int = 1
 ) -> ModelProfile:
     """The profile of a shallow stack of ``shape`` (the dense prefix and a few alike layers)
     on fake tensors with the roofline clock: its whole-model steps are what a profile spends
-    most on, and ``planner_for`` deepens it. ``say`` gets a progress line per tenth of the work."""
+    most on, and ``planner_for`` deepens it. ``say`` gets a progress line per tenth of the work.
+
+    With ``tp`` above one the stack is split over ``tp`` ranks of torch's fake process group
+    as the estimate's rank step splits it (``_tensor_parallel``), and each layer is profiled as
+    one rank runs it: its sequence-parallel regions at ``s/tp``, the all-gathers and
+    reduce-scatters around its matmuls on the clock, and rerun with them when recomputed."""
     shallow = replace(shape, layers=min(shape.layers, (shape.first_k_dense or 0) + _PROFILE_DEPTH))
     # A line per tenth of the work, with the count and the time left, as `plan` shows.
     lines = None
     if say is not None:
         lines = PlainLines(lambda line: say(line.replace("profiling: ", "profiling on fake tensors: ", 1)))
-    with default_dtype(DTYPES[shape.dtype]), FakeRun() as fake:
-        bundle = build_for_shape(shallow)
-        return profile_model(bundle, spec=shape.name, device=fake.device, gpu=gpu, progress=lines)
+    with default_dtype(DTYPES[shape.dtype]):
+        if tp == 1:
+            with FakeRun() as fake:
+                bundle = build_for_shape(shallow)
+                return profile_model(bundle, spec=shape.name, device=fake.device, gpu=gpu, progress=lines)
+        with _tensor_parallel(shallow, tp) as bundle:
+            return profile_model(bundle, spec=shape.name, device=FakeRun.device, gpu=gpu, progress=lines)
+
+
+@contextlib.contextmanager
+def _tensor_parallel(shape: Shape, tp: int) -> Iterator[ModelBundle]:
+    """``shape``'s model split over a tensor-parallel group of ``tp`` fake ranks (this process
+    rank 0), with fake storage, as ``_rank_step.step_on_mesh`` splits it without FSDP: the
+    reference model's plan with its head loss parallel (the block runs under
+    ``loss_parallel()``), a transformers class the plan ``actplan.parallelize`` gives it."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    reference = shape.hf_config is None
+    with fake_world(tp):
+        mesh = init_device_mesh(FakeRun.device.type, (tp,), mesh_dim_names=("tp",))
+        with torch.device("meta"):  # tensor parallelism cannot be applied inside a fake mode
+            bundle = build_for_shape(shape)
+        tensor_parallelize(bundle.model, mesh, loss_parallel_plan(bundle.model, tp) if reference else "auto")
+        loss = loss_parallel() if reference else contextlib.nullcontext()
+        with FakeRun(materialize_meta=True) as fake, loss:
+            bundle.model.to_empty(device=fake.device)
+            yield bundle
 
 
 def planner_for(

@@ -123,6 +123,7 @@ class IsolatedLayer:
         self.layer = layer
         # Times from this clock (one run each: an estimate has no noise) instead of the timer.
         self.clock = clock
+        self._clocked: dict[tuple[str, tuple[str, ...], bool], float] = {}  # by candidate key
         self.device = next((p.device for p in layer.parameters()), torch.device("cpu"))
         # Prepared layers by candidate, and whether they have run a whole step.
         self._ready: dict[tuple[str, tuple[str, ...], bool], tuple[nn.Module, bool]] = {}
@@ -224,8 +225,15 @@ class IsolatedLayer:
         engine = offload_engine(layer)
         if engine is not None:
             engine.reset_stats()
-        with MemoryMeter(layer) as meter:
+        clock = self.clock
+        if clock is not None:
+            clock.reset()
+        # With a clock, the same step is its time too (``_clock_time`` takes it): on fake
+        # tensors a step's ops are the same whether metered, clocked or both.
+        with MemoryMeter(layer) as meter, clock if clock is not None else contextlib.nullcontext():
             figures = self.step(layer, meter)
+        if clock is not None:
+            self._clocked[candidate.key] = clock.seconds
         identity = candidate.key
         self._ready[identity] = (layer, True)  # the metered step was a whole step
         report = meter.report()
@@ -282,7 +290,8 @@ class IsolatedLayer:
         forwards after the warm-up; one on the clock): what the replay no longer reruns when
         it is kept."""
         clock = self.clock
-        if clock is not None:  # the estimate so far: its differences are the intervals'
+        if clock is not None:  # from zero, so its readings do not depend on what it clocked before
+            clock.reset()
             return self.interval_totals(intervals, units, lambda: clock.seconds, clock)
 
         def now() -> float:
@@ -340,10 +349,13 @@ class IsolatedLayer:
         (exact: no spread, settled)."""
         clock = self.clock
         for c in candidates:
-            clock.reset()
-            with clock:
-                self.step(layers[c.name])
-            c.layer_seconds = clock.seconds
+            clocked = self._clocked.get(c.key)  # its metered step's (``measure_memory``)
+            if clocked is None:
+                clock.reset()
+                with clock:
+                    self.step(layers[c.name])
+                clocked = clock.seconds
+            c.layer_seconds = clocked
         reference = next(c for c in candidates if c.name == "none").layer_seconds
         for c in candidates:
             c.extra_seconds = max(c.layer_seconds - reference, 0.0) if c.name != "none" else 0.0

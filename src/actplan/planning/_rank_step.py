@@ -77,6 +77,7 @@ __all__ = [
     "formula_trace",
     "install",
     "layout_mesh",
+    "loss_parallel_plan",
     "nccl_bytes",
     "rank_step",
     "step_on_mesh",
@@ -294,7 +295,7 @@ def step_on_mesh(
     model = bundle.model
     parameters = sum(p.numel() for p in model.parameters())
     training.apply_freeze(model)  # before sharding, as a user freezes a LoRA base
-    options = {"tp_plan": _loss_parallel_plan(model, tp)} if loss_parallel else {}
+    options = {"tp_plan": loss_parallel_plan(model, tp)} if loss_parallel else {}
     parallelize(model, mesh, install(model, preset), mp_policy=policy, **options)
     run = FakeRun(routing=routing, materialize_meta=True) if fake else contextlib.nullcontext()
     with run, warnings.catch_warnings():
@@ -398,7 +399,7 @@ def _collected_between_steps() -> Iterator[None]:
             gc.enable()
 
 
-def _loss_parallel_plan(model: torch.nn.Module, tp: int) -> dict:
+def loss_parallel_plan(model: torch.nn.Module, tp: int) -> dict:
     """The model's own tensor-parallel plan with torchtitan's default for the output head:
     loss parallel, its logits left sharded by vocabulary for a cross-entropy computed under
     ``loss_parallel()``, instead of gathered whole on every rank."""
@@ -407,7 +408,7 @@ def _loss_parallel_plan(model: torch.nn.Module, tp: int) -> dict:
 
     from actplan._install.tensor_parallel import tensor_parallel_plan
 
-    plan = dict(tensor_parallel_plan(model, tp, True))
+    plan = dict(tensor_parallel_plan(model, tp))  # the model's own choice of sequence parallelism
     head = plan.get("lm_head")
     if head is None:
         return plan

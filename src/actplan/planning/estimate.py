@@ -206,9 +206,10 @@ def estimate(
     how = f"through parallelize over {fsdp * tp} fake ranks" if measured else "their layers bare"
     # The planner needs `none`'s row (and some row's static bytes), stepped with the presets.
     names = [*presets, *(["none"] if profiles and "none" not in presets else [])]
-    # One TP rank's share is profiled; a transformers class under TP gathers its logits whole
-    # on every rank (its loss is not loss parallel), so its profile keeps the vocabulary.
+    # One TP rank's share is planned (a transformers class under TP gathers its logits whole:
+    # its plan keeps the vocabulary); measured, its profile splits the model over fake TP ranks.
     profiled = replace(rank_shape, vocab=shape.vocab) if measured and shape.hf_config else rank_shape
+    split, profile_args = (tp, (shape, accel)) if measured and tp > 1 else (1, (profiled, accel))
     refused: list[str] = []
     frontiers: dict[str, list[FrontierPoint]] = {}
     with Workers(min(workers, len(names) + profiles)) as pool:
@@ -217,7 +218,7 @@ def estimate(
         profiling = None
         if profiles and pool.parallel:  # the profile needs no row: it runs beside them
             say("profiling on fake tensors in a worker process, beside them")
-            profiling = pool.submit(shallow_profile, profiled, accel)
+            profiling = pool.submit(shallow_profile, *profile_args, tp=split)
         stepped = pool.run(
             [(preset_row, (job, name), {}) for name in names],
             lambda index: say(f"stepped {names[index]} ({time.perf_counter() - started:.0f} s)"),
@@ -226,7 +227,7 @@ def estimate(
         _, sizes, static, gathered = stepped[-1]
         if profiles:
             none_row = stepped[names.index("none")][0]
-            profile = pool.result(profiling) if profiling else shallow_profile(profiled, accel, say)
+            profile = pool.result(profiling) if profiling else shallow_profile(*profile_args, say, tp=split)
             planner = planner_for(
                 profile, profiled, accel.name, static + gathered, none_row.seconds, host_per_gpu
             )
@@ -406,12 +407,12 @@ def _plans(
     """The plan for each budget (``budget_bytes``, or the planner's three), each stepped until
     it fits (``plan_within``); with worker processes the budgets' tries run side by side.
 
-    The planner predicts requested bytes from a shallow profile without the layout's own
-    transients (FSDP2's gathered layers and reduce-scatter buffers, TP's redistributions), and
-    a GPU reserves more than is requested. Each preset stepped (``stepped``, ``none`` among
-    them) measures how far its reserved peak lies above the planner's prediction for the same
-    preset; a plan is first made with the largest of those gaps held back, so that it fits at
-    the first step where the presets around it do."""
+    The planner predicts requested bytes from a shallow profile without FSDP's transients (its
+    gathered layers and reduce-scatter buffers; TP's are profiled), and a GPU reserves more
+    than is requested. Each preset stepped (``stepped``, ``none`` among them) measures how far
+    its reserved peak lies above the planner's prediction for the same preset; a plan is first
+    made with the largest of those gaps held back, so that it fits at the first step where the
+    presets around it do."""
     none_row = next(row for row in stepped if row.preset == "none")
     gaps = [
         row.reserved_peak_bytes - int(peak)

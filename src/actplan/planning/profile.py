@@ -36,6 +36,7 @@ models' step and the planning package's own modules.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from collections.abc import Callable
@@ -138,11 +139,16 @@ class _PresetRun:
 
 
 def _preset_run(
-    model: nn.Module, preset: str, batch: dict, layers: int, warmed_state: dict | None
+    model: nn.Module,
+    preset: str,
+    batch: dict,
+    layers: int,
+    warmed_state: dict | None,
+    clock: RooflineClock | None = None,
 ) -> tuple[_PresetRun, dict]:
     """A copy of ``model`` under ``preset``: its AdamW state made by a warm-up step (or loaded
-    from ``warmed_state``), then a metered step and a metered optimizer step. Returns the run
-    and the optimizer state, for the next preset."""
+    from ``warmed_state``), then a metered step (clocked too by ``clock``, reset first) and a
+    metered optimizer step. Returns the run and the optimizer state, for the next preset."""
     plain = copy_module(model)
     apply(plain, preset)
     optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-4, foreach=False)
@@ -151,7 +157,9 @@ def _preset_run(
         warmed_state = optimizer.state_dict()
     else:
         optimizer.load_state_dict(warmed_state)  # the same state, without another step
-    with MemoryMeter(plain, optimizer) as meter:
+    if clock is not None:
+        clock.reset()
+    with MemoryMeter(plain, optimizer) as meter, clock if clock is not None else contextlib.nullcontext():
         torch.manual_seed(0)
         _watch_backward(plain, meter)
         loss = loss_of(plain(**batch))
@@ -194,20 +202,19 @@ def _whole_model(
     step time from ``clock`` when given."""
     runs: dict[str, _PresetRun] = {}
     warmed_state = None
+    base_seconds = 0.0
     for preset in ("none", "full"):
-        runs[preset], warmed_state = _preset_run(model, preset, batch, layers, warmed_state)
+        # With a clock, `none`'s metered step is its time: forward and backward, an estimate's
+        # step, as its rows are (the optimizer step of a sharded model is not this one's).
+        timed = clock if preset == "none" else None
+        runs[preset], warmed_state = _preset_run(model, preset, batch, layers, warmed_state, timed)
+        if timed is not None:
+            base_seconds = timed.seconds
         say(f"model step {preset}")
     none = runs["none"]
     if clock is not None:
-        # Forward and backward: an estimate's step, as its rows are (the optimizer step of a
-        # sharded model is not this one's).
-        clock.reset()
-        torch.manual_seed(0)
-        with clock:
-            loss_of(none.model(**batch)).backward()
-        none.optimizer.zero_grad(set_to_none=True)
         say("model timing")
-        return _WholeModel(runs, clock.seconds)
+        return _WholeModel(runs, base_seconds)
     # The model has run two steps already (warm-up and metered): no warm-up round here.
     timing = interleaved_timing(
         {"none": lambda: train_step(none.model, batch, none.optimizer, seed=0)},

@@ -24,7 +24,7 @@ import torch
 from torch.utils import flop_counter
 
 from actplan._storage import storage_key
-from actplan._torch_internals import DEVICE_QUERY, TorchDispatchMode, collective_call, op_schema, tree_flatten
+from actplan._torch_internals import DEVICE_QUERY, TorchDispatchMode, collective_call, op_schema
 from actplan.measure._collectives import Collective, Streams, collective_seconds, spans_nodes
 
 __all__ = ["ACCELERATORS", "LINKS", "Accelerator", "RooflineClock", "accelerator", "link_rate", "op_flops"]
@@ -317,12 +317,15 @@ class RooflineClock(TorchDispatchMode):
         if call is not None:
             self._collective(func, *call)
             return out
-        in_leaves = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-        out_leaves = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-        schema = op_schema(func)
-        writes = schema is not None and any(
-            a.alias_info is not None and a.alias_info.is_write for a in schema.arguments
-        )
+        in_leaves = _tensors_in((args, kwargs), [])
+        out_leaves = _tensors_in(out, [])
+        writes = _WRITES.get(func)
+        if writes is None:
+            schema = op_schema(func)
+            writes = schema is not None and any(
+                a.alias_info is not None and a.alias_info.is_write for a in schema.arguments
+            )
+            _WRITES[func] = writes
         if not writes:
             if not out_leaves:
                 return out  # metadata (sizes, devices), no kernel
@@ -417,6 +420,23 @@ class CopyTimer:
     def use(self, done: CopyDone | None) -> None:
         if done is not None and self.clock.running:
             self.clock.streams.use(done.at)
+
+
+_WRITES: dict[Any, bool] = {}  # by op: whether its schema writes to an argument
+
+
+def _tensors_in(tree: Any, into: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors in an op's arguments or outputs (tuples, lists, dicts of them), in order:
+    ``tree_flatten``'s leaves that are tensors, without its generic walk (an op per call)."""
+    if isinstance(tree, torch.Tensor):
+        into.append(tree)
+    elif isinstance(tree, (tuple, list)):
+        for item in tree:
+            _tensors_in(item, into)
+    elif isinstance(tree, dict):
+        for item in tree.values():
+            _tensors_in(item, into)
+    return into
 
 
 def _storage_id(tensor: torch.Tensor) -> int:

@@ -94,6 +94,9 @@ class _Timeline:
         self.stride *= 2
 
 
+_WRAPS: dict[Any, bool] = {}  # by an op's tensor types: whether a wrapper subclass is among them
+
+
 def _is_wrapper_subclass(kind: type) -> bool:
     """A tensor subclass that wraps other tensors (DTensor), not a plain or fake tensor."""
     if kind is torch.Tensor or issubclass(kind, FakeTensor):
@@ -226,7 +229,11 @@ class StorageTracker(TorchDispatchMode):
         ops the tracker may watch: only when every mode below it hands such an op on untouched
         (a fake mode, which declines it, or one marked ``passes_subclass_ops``), so that no
         mode misses an op by the window's detour."""
-        if not any(_is_wrapper_subclass(kind) for kind in types):
+        key = types if isinstance(types, tuple) else tuple(types)
+        wraps = _WRAPS.get(key)
+        if wraps is None:
+            wraps = _WRAPS[key] = any(_is_wrapper_subclass(kind) for kind in key)
+        if not wraps:
             return False
         return all(
             isinstance(mode, FakeTensorMode) or getattr(mode, "passes_subclass_ops", False)

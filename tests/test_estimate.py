@@ -574,6 +574,16 @@ def test_a_hugging_face_config_steps_transformers_own_class_fake_as_real(tmp_pat
     assert fake.activation_bytes > 0
 
 
+def test_plans_for_a_hugging_face_config_under_tensor_parallelism_are_profiled_bare(tmp_path):
+    # A transformers class's layer does not run alone under TP: its profile keeps one rank's
+    # share bare (the reference models' is split over the fake TP group), and its plans step.
+    pytest.importorskip("transformers")
+    shape = shape_from_hf_config(_tiny_hf_config(tmp_path), seq=32, batch=2, dtype="fp32")
+    memory = accelerator("h100").memory_bytes  # one budget, one plan
+    (plan,) = estimate(shape, ("none",), tp=2, plans=True, budget_bytes=memory).plans
+    assert plan.fits and RecomputeConfig.from_yaml(plan.plan_yaml).made_for is not None
+
+
 def test_tied_embeddings_are_one_parameter_in_the_estimate(tmp_path):
     import transformers
 

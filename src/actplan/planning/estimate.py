@@ -206,10 +206,10 @@ def estimate(
     how = f"through parallelize over {fsdp * tp} fake ranks" if measured else "their layers bare"
     # The planner needs `none`'s row (and some row's static bytes), stepped with the presets.
     names = [*presets, *(["none"] if profiles and "none" not in presets else [])]
-    # One TP rank's share is planned (a transformers class under TP gathers its logits whole:
-    # its plan keeps the vocabulary); measured, its profile splits the model over fake TP ranks.
+    # One TP rank's share is planned (a transformers class gathers its logits whole); measured,
+    # the reference model is profiled split over fake TP ranks (a transformers class's, bare).
     profiled = replace(rank_shape, vocab=shape.vocab) if measured and shape.hf_config else rank_shape
-    split, profile_args = (tp, (shape, accel)) if measured and tp > 1 else (1, (profiled, accel))
+    split, whom = (tp, shape) if measured and tp > 1 and shape.hf_config is None else (1, profiled)
     refused: list[str] = []
     frontiers: dict[str, list[FrontierPoint]] = {}
     with Workers(min(workers, len(names) + profiles)) as pool:
@@ -218,7 +218,7 @@ def estimate(
         profiling = None
         if profiles and pool.parallel:  # the profile needs no row: it runs beside them
             say("profiling on fake tensors in a worker process, beside them")
-            profiling = pool.submit(shallow_profile, *profile_args, tp=split)
+            profiling = pool.submit(shallow_profile, whom, accel, tp=split)
         stepped = pool.run(
             [(preset_row, (job, name), {}) for name in names],
             lambda index: say(f"stepped {names[index]} ({time.perf_counter() - started:.0f} s)"),
@@ -227,7 +227,7 @@ def estimate(
         _, sizes, static, gathered = stepped[-1]
         if profiles:
             none_row = stepped[names.index("none")][0]
-            profile = pool.result(profiling) if profiling else shallow_profile(*profile_args, say, tp=split)
+            profile = pool.result(profiling) if profiling else shallow_profile(whom, accel, say, tp=split)
             planner = planner_for(
                 profile, profiled, accel.name, static + gathered, none_row.seconds, host_per_gpu
             )

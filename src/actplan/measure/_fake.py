@@ -41,7 +41,7 @@ from __future__ import annotations
 import copy
 import importlib
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal, TypeVar
 
 import torch
@@ -72,14 +72,19 @@ def is_fake(tensor: object) -> bool:
     return isinstance(tensor, FakeTensor)
 
 
-def _holds_fake(tensor: torch.Tensor) -> bool:
-    """A fake tensor, or a wrapper subclass (a DTensor) around one."""
-    if is_fake(tensor):
-        return True
-    if not is_traceable_wrapper_subclass(tensor):
-        return False
-    names, _ = tensor.__tensor_flatten__()
-    return any(_holds_fake(getattr(tensor, name)) for name in names)
+def fake_mode_of(tensors: Iterable[torch.Tensor]) -> FakeTensorMode | None:
+    """The ``FakeTensorMode`` of the first fake tensor in ``tensors`` (a model built under one),
+    looking inside tensor subclasses (FSDP2's and TP's DTensor parameters), or None for real
+    tensors."""
+    for tensor in tensors:
+        if isinstance(tensor, FakeTensor):
+            return tensor.fake_mode
+        if is_traceable_wrapper_subclass(tensor):
+            names, _ = tensor.__tensor_flatten__()
+            found = fake_mode_of(getattr(tensor, name) for name in names)
+            if found is not None:
+                return found
+    return None
 
 
 _Module = TypeVar("_Module", bound=nn.Module)
@@ -95,7 +100,7 @@ def copy_module(module: _Module) -> _Module:
         for value in (*m._parameters.values(), *m._buffers.values(), *vars(m).values()):
             if isinstance(value, torch.Tensor):
                 tensors.setdefault(id(value), value)
-    if not any(_holds_fake(t) for t in tensors.values()):
+    if fake_mode_of(tensors.values()) is None:
         return copy.deepcopy(module)
     memo: dict[int, Any] = {}
     with torch.no_grad():

@@ -23,6 +23,7 @@ from actplan._torch_internals import (
     storage_key_of,
     watch_fsdp_storage_resizes,
 )
+from actplan.measure._fake import fake_mode_of
 from actplan.measure._tracker import CompiledCodeTracker, StorageTracker
 
 DEFAULT_TIMELINE_CAP = 4096
@@ -66,21 +67,6 @@ class MemoryReport:
 def _storage_key(tensor: torch.Tensor) -> int | None:
     # Fake tensors have (meta) storages shared by their views, so they count like real ones.
     return None if tensor.is_meta and not isinstance(tensor, FakeTensor) else storage_key(tensor)
-
-
-def fake_mode_of(tensors: Iterable[torch.Tensor]) -> FakeTensorMode | None:
-    """The ``FakeTensorMode`` of the first fake tensor in ``tensors`` (a model built under one),
-    looking inside tensor subclasses (FSDP2's and TP's DTensor parameters), or None for real
-    tensors."""
-    for tensor in tensors:
-        if isinstance(tensor, FakeTensor):
-            return tensor.fake_mode
-        if is_traceable_wrapper_subclass(tensor):
-            names, _ = tensor.__tensor_flatten__()
-            found = fake_mode_of(getattr(tensor, name) for name in names)
-            if found is not None:
-                return found
-    return None
 
 
 def active_fake_mode() -> FakeTensorMode | None:

@@ -157,7 +157,7 @@ def test_experts_over_every_fsdp_rank_run_the_real_path_with_the_users_training_
     frozen = TrainingSetup(freeze=r"\.experts\.")
     result = estimate(SMALL_MOE, ("none", "full"), fsdp=2, ep=2)
     lean = estimate(SMALL_MOE, ("none",), fsdp=2, ep=2, training=frozen)
-    assert "experts over the same 2" in result.method and "formula" not in result.method
+    assert "experts over 2 of them (left out of FSDP)" in result.method and "formula" not in result.method
     none, full = result.rows
     assert full.activation_bytes < none.activation_bytes
     # 2 MoE layers of 2 local experts (gate, up, down: 64 x 64 each) in fp32; frozen, they hold
@@ -168,11 +168,24 @@ def test_experts_over_every_fsdp_rank_run_the_real_path_with_the_users_training_
     assert result.parameters == lean.parameters  # this rank's model: its own experts only
 
 
+def test_experts_over_part_of_the_fsdp_ranks_run_the_real_path_and_hold_their_share():
+    # Experts over 2 of 4 ranks, each FSDP-sharded over the 2 that hold it inside its layer:
+    # measured. A rank then holds a quarter of every expert's state, as with experts over all 4
+    # ranks (left out of FSDP) or none (sharded with the rest): the same static bytes.
+    result = estimate(SMALL_MOE, ("none", "full"), fsdp=4, ep=2)
+    assert "experts over 2 of them (each FSDP-sharded over 2)" in result.method
+    assert "formula" not in result.method
+    none, full = result.rows
+    assert full.activation_bytes < none.activation_bytes
+    for ep in (1, 4):
+        assert estimate(SMALL_MOE, ("none",), fsdp=4, ep=ep).static_bytes == result.static_bytes
+
+
 def test_static_memory_follows_the_stated_formula_and_the_budget_picks_the_fastest_fit():
-    # Expert parallel runs the rank's layers bare, with the static memory by formula.
+    # Expert parallel with TP runs the rank's layers bare, with the static memory by formula.
     presets = ("none", "full", "matmuls")
-    result = estimate(SMALL_MOE, presets, gpu="a100", fsdp=4, ep=2, budget_bytes=70 * 2**30)
-    dense = result.parameters - preset_step(SMALL_MOE.per_rank(1, 2), "none", "a100")[1].expert_parameters
+    result = estimate(SMALL_MOE, presets, gpu="a100", fsdp=4, tp=2, ep=2, budget_bytes=70 * 2**30)
+    dense = result.parameters - preset_step(SMALL_MOE.per_rank(2, 2), "none", "a100")[1].expert_parameters
     assert result.static_bytes == 16 * dense // 4 + 16 * (result.parameters - dense) * 2 // 4
     none, full, matmuls = result.rows
     for row in result.rows:
@@ -346,8 +359,8 @@ def test_shipped_shapes_load_and_say_where_they_come_from():
          "such flag"),
         (["--shape", "llama3-8b", "--grad-accum", "0"], "--grad-accum must be 1 or more"),
         (["--shape", "llama3-8b", "--freeze", "("], "--freeze '(' is not a regular expression"),
-        (["--shape", "mixtral-8x7b", "--fsdp", "4", "--ep", "2", "--grad-accum", "2"], "need the measured "
-         "path, which this expert-parallel layout does not run on"),
+        (["--shape", "mixtral-8x7b", "--fsdp", "4", "--tp", "2", "--ep", "2", "--grad-accum", "2"],
+         "need the measured path, which this expert-parallel layout does not run on"),
         (["--shape", "llama3-8b", "--titan", "llama3:8B"], "give one of --shape, --titan, not several"),
         (["--titan", "llama3:8B", "--heads", "16"], "--heads would change torchtitan's model"),
         (["--titan", "llama3:8B", "--fsdp", "8", "--tp", "2"], "runs FSDP layouts only"),

@@ -34,7 +34,14 @@ PLAIN = {  # id: (fsdp, tp, preset)
     "dp2tp2-titan-op-sac": (2, 2, "titan-op-sac"),
 }
 OFFLOADED = {"fsdp2": (2, 1, "full+offload"), "tp2": (1, 2, "matmuls+offload")}
-EXPERTS = {"full-fp32": ("full", "fp32"), "matmuls-fp32": ("matmuls", "fp32"), "full-bf16": ("full", "bf16")}
+EXPERTS = {  # id: (preset, dtype, fsdp); experts over 2 ranks
+    "full-fp32": ("full", "fp32", 2),
+    "matmuls-fp32": ("matmuls", "fp32", 2),
+    "full-bf16": ("full", "bf16", 2),
+    # experts over 2 of 4 ranks, sharded by FSDP over the other 2 inside each layer
+    "of4-full-bf16": ("full", "bf16", 4),
+    "of4-matmuls-fp32": ("matmuls", "fp32", 4),
+}
 
 
 def _scenarios(folder: Path) -> dict[str, dict]:
@@ -48,9 +55,9 @@ def _scenarios(folder: Path) -> dict[str, dict]:
         config.write_text(json.dumps(OFFLOADS[offload]))
         plan = {"shape": SHAPE.to_dict(), "fsdp": fsdp, "tp": tp, "preset": str(config)}
         scenarios[f"offload-{name}"] = plan
-    for name, (preset, dtype) in EXPERTS.items():
+    for name, (preset, dtype, fsdp) in EXPERTS.items():
         moe = dataclasses.replace(MOE, dtype=dtype).to_dict()
-        scenarios[f"ep-{name}"] = {"shape": moe, "fsdp": 2, "tp": 1, "preset": preset, "ep": 2}
+        scenarios[f"ep-{name}"] = {"shape": moe, "fsdp": fsdp, "tp": 1, "preset": preset, "ep": 2}
     return scenarios
 
 
@@ -110,12 +117,13 @@ def test_expert_parallel_rank_zero_holds_what_the_fake_rank_holds_on_its_routing
     """MoE with its experts over 2 ranks: the fake rank, replaying the token counts rank 0
     recorded (its routers' and those the other rank sent it), holds what rank 0 held. In bf16
     the experts, which FSDP leaves out, compute in bf16 too (a real matmul refuses mixed
-    dtypes, which a fake one lets through)."""
+    dtypes, which a fake one lets through). Over 4 ranks the experts are FSDP-sharded inside
+    each layer: their all-gathers, reshards and reduce-scatters (and the replay's) agree too."""
     rank0, _ = real(f"ep-{name}")
-    preset, dtype = EXPERTS[name]
+    preset, dtype, fsdp = EXPERTS[name]
     routing = rank0.pop("routing")
     moe = dataclasses.replace(MOE, dtype=dtype)
-    fake = dataclasses.asdict(rank_step(moe, preset, 2, "h100", ep=2, routing=routing))
+    fake = dataclasses.asdict(rank_step(moe, preset, fsdp, "h100", ep=2, routing=routing))
     _drop_times(fake, rank0)
     assert rank0 == fake
 
@@ -126,7 +134,7 @@ def test_balanced_routing_on_the_fake_group_receives_what_it_sends():
     on which rank is measured, and a layout the real path cannot run is refused."""
     full = rank_step(MOE, "none", 2, "h100", ep=2)
     assert full.activation_bytes > 0
-    with pytest.raises(ValueError, match="splits experts over every rank"):
-        rank_step(MOE, "none", 4, "h100", ep=2)
+    with pytest.raises(ValueError, match="splits experts over a divisor of the FSDP ranks"):
+        rank_step(MOE, "none", 4, "h100", ep=3)
     with pytest.raises(ValueError, match="MoE reference model"):
         rank_step(SHAPE, "none", 2, "h100", ep=2)

@@ -1,4 +1,5 @@
-"""Expert parallelism on 2 ranks (gloo), alone and under ``actplan.parallelize`` (FSDP2):
+"""Expert parallelism on 2 ranks (gloo), alone and under ``actplan.parallelize`` (FSDP2), and
+on 4 ranks with the experts over 2 of them (FSDP-sharded over the other 2, inside each layer):
 exact against one process, no collective replayed, memory flat.
 
 Tolerance: the 2-rank run sums the same products in a different order (each rank's
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from actplan.evaluate.bench import OFFLOAD_VARIANTS
-from twoproc import run_two_ranks
+from twoproc import run_ranks, run_two_ranks
 
 pytestmark = [pytest.mark.slow, pytest.mark.ranks]
 
@@ -39,12 +40,32 @@ def results(tmp_path_factory):
     scenarios["compiled-matmuls"] = ["matmuls", "fsdp-compile"]
     out = tmp_path_factory.mktemp("ep") / "ep.json"
     ranks = run_two_ranks(WORKER, [json.dumps(scenarios)], out, timeout=600)
-    return {name: [rank[name] for rank in ranks] for name in scenarios}
+    found = {name: [rank[name] for rank in ranks] for name in scenarios}
+    # Experts over 2 of 4 ranks: the experts' own FSDP unshard runs inside the checkpointed
+    # layer, in forward and in the replay. With 2 experts, each rank's one expert is fewer rows
+    # than its 2 FSDP ranks: parallelize splits it on another dimension, not into padding.
+    quarter = {f"ep2of4-{name}": [plans[name], "fsdp-ep2"] for name in ("none", "full", "matmuls")}
+    out = out.with_name("ep2of4.json")
+    two_experts = json.dumps({"n_experts": 2})
+    ranks = run_ranks(WORKER, [json.dumps(quarter), two_experts], out, nproc=4, timeout=600)
+    return found | {name: [rank[name] for rank in ranks] for name in quarter}
 
 
 @pytest.mark.parametrize(
     "plan",
-    ["none", "full", "matmuls", "experts", "fsdp-none", "fsdp-full", "fsdp-matmuls", "compiled-matmuls"],
+    [
+        "none",
+        "full",
+        "matmuls",
+        "experts",
+        "fsdp-none",
+        "fsdp-full",
+        "fsdp-matmuls",
+        "compiled-matmuls",
+        "ep2of4-none",
+        "ep2of4-full",
+        "ep2of4-matmuls",
+    ],
 )
 def test_expert_parallel_matches_one_process(results, plan):
     for rank in results[plan]:
@@ -52,6 +73,15 @@ def test_expert_parallel_matches_one_process(results, plan):
         assert rank["max_grad_diff"] <= GRAD_ATOL, (rank["worst_param"], rank["max_grad_diff"])
         assert rank["missing_grads"] == []
         assert rank["routing_equal"]
+
+
+def test_experts_fewer_than_their_fsdp_ranks_are_split_on_another_dimension(results):
+    # One expert per rank, over 2 FSDP ranks: split on dim 0 it would leave rank 1 a shard of
+    # padding as large as rank 0's.
+    for rank in results["ep2of4-none"]:
+        assert rank["expert_split_dims"] and 0 not in rank["expert_split_dims"]
+    for rank in results["fsdp-none"]:
+        assert rank["expert_split_dims"] == []  # experts over every rank: left out of FSDP
 
 
 @pytest.mark.parametrize(
@@ -62,6 +92,8 @@ def test_expert_parallel_matches_one_process(results, plan):
         ("experts", "none"),
         ("fsdp-full", "fsdp-none"),
         ("fsdp-matmuls", "fsdp-none"),
+        ("ep2of4-full", "ep2of4-none"),
+        ("ep2of4-matmuls", "ep2of4-none"),
     ],
 )
 def test_recompute_replays_no_collective(results, plan, baseline):
@@ -87,7 +119,9 @@ def test_counting_catches_a_replayed_collective(results):
         assert rank["backward_topk"] > 0
 
 
-@pytest.mark.parametrize("plan", ["none", "full", "matmuls", "fsdp-full", "fsdp-matmuls", "compiled-matmuls"])
+@pytest.mark.parametrize(
+    "plan", ["none", "full", "matmuls", "fsdp-full", "fsdp-matmuls", "compiled-matmuls", "ep2of4-full"]
+)
 def test_memory_stays_flat_over_20_steps(results, plan):
     for rank in results[plan]:
         live = rank["live_after_step"]

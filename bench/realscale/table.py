@@ -9,9 +9,8 @@ the seconds the estimate took on this machine.
     python -m bench.realscale.table            # writes bench/results/realscale.{json,md}
     python -m bench.realscale.table --only llama3-8b
 
-Memory is measured on fake tensors; static memory, tensor and expert parallelism follow the
-formulas stated in ``actplan.planning.estimate``; times are roofline estimates, not
-measurements.
+Memory is measured on fake tensors, each rank run through ``actplan.parallelize`` on a fake
+process group (``actplan.planning.estimate``); times are roofline estimates, not measurements.
 """
 
 from __future__ import annotations
@@ -63,10 +62,10 @@ def render(results: dict[str, dict]) -> str:
         "",
         f"Every shipped shape at sequence {SEQ}, batch 1 per GPU, bf16, on an {GPU.upper()} "
         "(roofline clock), estimated on fake tensors by `python -m bench.realscale.table`. "
-        "Dense shapes run one rank through `actplan.parallelize` (FSDP2, and TP with sequence "
-        "parallelism) on a fake process group with two AdamW steps: everything is measured. MoE "
-        "shapes under expert parallelism step the rank's layers bare, with the stated static "
-        "formula (16 bytes per parameter over the FSDP ranks, two gathered units). 'allocated' and "
+        "Every shape runs one rank through `actplan.parallelize` (FSDP2; TP with sequence "
+        "parallelism; experts over the EP ranks, each FSDP-sharded over the ranks that hold it) "
+        "on a fake process group with two AdamW steps: everything is measured, routing assumed "
+        "balanced. 'allocated' and "
         "'reserved' are the caching-allocator model's peaks for the step's allocation trace, under "
         "torch's default settings; 'fits' is reserved plus the CUDA context and NCCL's buffers "
         "within the H100's 80 GB. Times are estimates. Plans are the planner's at three budgets "

@@ -52,7 +52,7 @@ def run(scenario: dict) -> dict:
     mesh = layout_mesh(scenario["fsdp"], scenario["tp"])
     recorder = RoutingRecorder()
     with SettleCollectives(), recorder:
-        ran = step_on_mesh(shape, scenario["preset"], mesh, "h100", fake=False, expert_parallel=ep > 1)
+        ran = step_on_mesh(shape, scenario["preset"], mesh, "h100", fake=False, ep=ep)
     return dataclasses.asdict(ran) | {"routing": recorder.counts}
 
 

@@ -1,11 +1,14 @@
-"""Two-rank expert-parallel MoE worker, launched by tests/test_moe_ep.py under torchrun.
+"""Expert-parallel MoE worker (2 or 4 ranks), launched by tests/test_moe_ep.py under torchrun.
 
-Usage: moe_ep_worker.py SCENARIOS OUT_JSON, where SCENARIOS is a JSON object naming each
-scenario ``[PLAN, HOW]`` (PLAN: a preset name or a JSON config; HOW: ``""``, ``fsdp`` or
-``fsdp-compile``). All scenarios run in one process group, one after another (the launch, not
+Usage: moe_ep_worker.py SCENARIOS [OVERRIDES] OUT_JSON, where OVERRIDES (a JSON object) changes
+the tiny MoE's config for every model of the launch, and SCENARIOS is a JSON object naming each
+scenario ``[PLAN, HOW]`` (PLAN: a preset name or a JSON config; HOW: ``""``, ``fsdp``,
+``fsdp-compile`` or ``fsdp-ep2``). All scenarios run in one process group, one after another (the launch, not
 the scenario, is what costs). With ``fsdp`` the model goes through ``actplan.parallelize`` on a
-2-rank mesh, with ``fsdp-compile`` also compiling each layer, aot_eager; its collectives are not
-counted then, since a dispatch mode would make dynamo run the compiled layers eagerly.
+mesh over every rank, with ``fsdp-compile`` also compiling each layer, aot_eager (its collectives
+are not counted then, since a dispatch mode would make dynamo run the compiled layers eagerly);
+with ``fsdp-ep2`` the experts are split over 2 of the ranks (launched on 4: FSDP shards each
+expert over the 2 ranks that hold it, inside each layer).
 Every rank builds the single-process model on the global batch as the reference,
 then for each scenario the expert-parallel model (experts split over ranks, tokens exchanged
 with all_to_all) on its half of the batch under PLAN, and compares: loss, every
@@ -42,8 +45,10 @@ def collectives(counter: OpCounter) -> int:
 CONFIG_OVERRIDES = {"aux_loss_coef": 0.0}  # the balance loss is per rank by design
 
 
-def main(scenarios: str, out_path: str) -> None:
+def main(scenarios: str, *rest: str) -> None:
     faulthandler.enable()  # a rank that aborts in C++ still shows its Python stack
+    *overrides, out_path = rest
+    CONFIG_OVERRIDES.update(json.loads(overrides[0]) if overrides else {})
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
@@ -68,7 +73,10 @@ def scenario(plan: str, how: str, reference, out_ref: dict, batch: dict, per_ran
     if compiling:  # this scenario's graphs only
         torch._dynamo.reset()
         torch._dynamo.utils.counters.clear()
-    model, _ = moe.build("tiny", ep_group=dist.group.WORLD, **CONFIG_OVERRIDES)
+    group = dist.group.WORLD
+    if how == "fsdp-ep2":
+        group = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("expert_dp", "ep"))["ep"].get_group()
+    model, _ = moe.build("tiny", ep_group=group, **CONFIG_OVERRIDES)
     config_arg = json.loads(plan) if plan.startswith("{") else plan
     if fsdp:
         compile_options = {"backend": "aot_eager"} if compiling else False
@@ -136,8 +144,16 @@ def scenario(plan: str, how: str, reference, out_ref: dict, batch: dict, per_ran
         "live_after_step": live_after_step,
         "peak_live_bytes": meter.report().peak_live_bytes,
         "compiled_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"] if compiling else 0,
+        # the dimensions FSDP split the expert weights on
+        "expert_split_dims": sorted(
+            {
+                p.placements[0].dim
+                for n, p in model.named_parameters()
+                if n.endswith("w_up") and isinstance(p, DTensor)
+            }
+        ),
     }
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(*sys.argv[1:])

@@ -13,8 +13,8 @@ out one region per checkpointed call:
 Both follow the layer's markers with the same state machine (``region.MarkerState``). The
 policy holds the plan (``interval_plan.IntervalPlan``, immutable) apart from what its eager calls
 learn (``learnt.LearntState``).
-Imports point down to ``interval_plan``, ``learnt``, ``ops``, ``region``, ``scoped`` and
-``_torch_internals``.
+Imports point down to ``held``, ``interval_plan``, ``learnt``, ``ops``, ``region``, ``scoped``
+and ``_torch_internals``.
 """
 
 from __future__ import annotations
@@ -25,12 +25,13 @@ from typing import Any
 
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
+from actplan._engine.held import SegmentMode
 from actplan._engine.interval_plan import IntervalPlan
 from actplan._engine.learnt import HeldReport, LearntState
 from actplan._engine.ops import ROUTING_OPS, UNINITIALIZED_OPS
 from actplan._engine.region import KeptTensorMutatedError, MarkerError, MarkerState, TracedRegion
 from actplan._engine.scoped import ScopedRegion
-from actplan._torch_internals import probe
+from actplan._torch_internals import fsdp_hooks_step_aside, probe
 from actplan.units import MarkerInterval, RecomputeIntervalMap
 
 __all__ = [
@@ -120,7 +121,11 @@ class IntervalPolicy:
         region, and the marker sink that feeds the same region directly.
         ``layer_name`` names the calling layer in errors and reports (the policy may be
         shared); ``layer``, the calling module, keys what is learnt about its path;
-        ``observer`` (``actplan verify``'s) is told of the placeholders the replay serves."""
+        ``observer`` (``actplan verify``'s) is told of the placeholders the replay serves.
+        A module ``fully_shard`` sharded inside ``layer`` runs its FSDP hooks outside the
+        region's dispatch mode (``fsdp_hooks_step_aside``)."""
+        if layer is not None:
+            fsdp_hooks_step_aside(layer, SegmentMode)
         region = ScopedRegion(
             self.plan,
             self.learnt,

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Shard
 
 from actplan import integrations
 from actplan._install.apply import _with_saved_layouts, apply, find_layers, plan_for
@@ -83,16 +84,24 @@ def parallelize(
 
     Expert parallelism: a model built with an expert-parallel group (for example
     ``moe.build(size, ep_group=group)``) holds different experts on different
-    ranks, in modules that expose ``expert_parallel_group``. Their weights are
-    left out of FSDP (no other rank holds them to shard or average with: the
-    expert-parallel group must span every rank for now), and their gradients,
-    which the all-to-all backward sums over all ranks' tokens, are divided by the
-    world size so they match FSDP's averaged ones (under tensor parallelism each rank of a
-    tensor-parallel group sends the same tokens, so the sum counts them ``tp`` times and the
-    division by the world size still gives the data-parallel average). They are not put in
-    FSDP groups of their own either: such a group's unshard would run inside the
-    checkpointed layer, where the replay would meet it. Compiled, an expert-parallel
-    layer's all-to-all splits become symbolic sizes in its one graph.
+    ranks, in modules that expose ``expert_parallel_group``. Each expert's gradient, which the
+    all-to-all backward sums over the tokens of every rank of the group, is averaged with the
+    rest: divided by the world size (under tensor parallelism each rank of a tensor-parallel
+    group sends the same tokens, so the sum counts them ``tp`` times and the division by the
+    world size still gives the data-parallel average).
+
+    - A group over every rank: each expert lives on one rank only, so its weights are left out
+      of FSDP and a hook divides its gradient.
+    - A group over ``ep`` of a 1-D mesh's ranks (``ep`` dividing the world size, laid out as
+      ``init_device_mesh(device, (world // ep, ep), mesh_dim_names=(..., "ep"))["ep"]`` lays
+      them out): the ``world // ep`` ranks that hold the same experts shard them with FSDP, in
+      a group of their own inside each layer (torchtitan's layout), reduce-scattered with a
+      divide factor of the world size. Their unshard and reshard run inside the checkpointed
+      layer, as FSDP's own work: the engine steps aside for those hooks, so FSDP does in the
+      replay what it does under ``torch.utils.checkpoint``.
+
+    Compiled, an expert-parallel layer's all-to-all splits become symbolic sizes in its one
+    graph (experts over every rank only: FSDP's hooks inside a layer break its graph).
 
     Args:
         model: the model, unsharded, with its parameters already on the mesh's
@@ -143,7 +152,7 @@ def parallelize(
     if compile_options is not None:
         _reject_compiled_offload(config)
     dp_mesh, tp_mesh = _check_inputs(model, mesh, tp_plan, sequence_parallel)
-    expert_params = _expert_parallel_params(model, mesh, mp_policy)
+    experts = _expert_parallel(model, mesh, mp_policy, compile_options is not None)
     styles = None
     if tp_mesh is not None and tp_plan is not None:
         styles = resolve_tp_plan(model, tp_mesh, tp_plan, sequence_parallel)
@@ -152,7 +161,7 @@ def parallelize(
         plan_for(model, config, _with_saved_layouts(model, integrations.recognising(model), None))
         apply_tp_plan(model, tp_mesh, styles)
     plan = apply(model, config)
-    sharding = {} if mp_policy is None else {"mp_policy": mp_policy}
+    sharding = {} if dp_mesh is None else _sharding(dp_mesh.size(), mp_policy)
     for _, layer in find_layers(model):
         if compile_options is not None:
             # MoE layers' per-expert splits are data-dependent sizes, and third-party layers
@@ -160,19 +169,20 @@ def parallelize(
             # flags (set for these layers' calls only).
             compile_module_under(layer, compile_options, layer_compile_flags)
         if dp_mesh is not None and layer is not model:
+            experts.shard_inside(layer, reshard_after_forward, mp_policy)
             # a model that is itself one layer is sharded once, as the root
             fully_shard(
                 layer,
                 mesh=dp_mesh,
                 reshard_after_forward=reshard_after_forward,
-                ignored_params={p for p in layer.parameters() if p in expert_params} or None,
+                ignored_params={p for p in layer.parameters() if p in experts.unsharded} or None,
                 **sharding,
             )
     if dp_mesh is not None:
         # The root keeps FSDP's default: not resharded after forward, as backward starts with its head.
-        fully_shard(model, mesh=dp_mesh, ignored_params=expert_params or None, **sharding)
+        fully_shard(model, mesh=dp_mesh, ignored_params=experts.unsharded or None, **sharding)
     world = mesh.size()
-    for param in expert_params:
+    for param in experts.unsharded:
         # The all-to-all backward summed every rank's tokens into it; FSDP averages the rest.
         if param.requires_grad:  # a frozen expert gets no gradient to average
             param.register_hook(lambda grad: grad / world)
@@ -191,15 +201,74 @@ def _reject_compiled_offload(config: RecomputeConfig | dict[str, Any] | str | Pa
         )
 
 
-def _expert_parallel_params(
-    model: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy | None = None
-) -> set[nn.Parameter]:
-    """Parameters of modules that hold this rank's own experts (checked against the mesh). Under
-    a mixed-precision policy, each such module computes in its parameter dtype (the module's
-    ``compute_dtype``), as FSDP's own parameters do; a module without one is refused."""
+class _Experts:
+    """Where a model's expert-parallel modules go: left out of FSDP (``unsharded``, their
+    group spans every rank) or sharded in groups of their own over ``mesh`` (the ranks that
+    hold the same experts)."""
+
+    def __init__(self, modules: list[nn.Module], mesh: DeviceMesh | None, world: int) -> None:
+        self.modules, self.mesh, self.world = modules, mesh, world
+        self.unsharded = {p for m in modules for p in m.parameters()} if mesh is None else set()
+
+    def shard_inside(
+        self, layer: nn.Module, reshard_after_forward: bool, mp_policy: MixedPrecisionPolicy | None
+    ) -> None:
+        """``fully_shard`` each expert module of ``layer`` over the experts' mesh, before the
+        layer itself (which then leaves their parameters to them)."""
+        if self.mesh is None:
+            return
+        sharding = _sharding(self.mesh.size(), mp_policy)
+        gloo = dist.get_backend(self.mesh.get_group()) == "gloo"
+        inside = {id(m) for m in layer.modules()}
+        for module in self.modules:
+            if id(module) in inside:
+                fully_shard(module, mesh=self.mesh, reshard_after_forward=reshard_after_forward, **sharding)
+                module.set_gradient_divide_factor(self.world)
+                # gloo has no pre-multiplied sum: divide before and after a plain sum instead
+                module.set_force_sum_reduction_for_comms(gloo)
+
+
+def _sharding(ranks: int, mp_policy: MixedPrecisionPolicy | None) -> dict[str, Any]:
+    """``fully_shard``'s options over ``ranks``: the mixed-precision policy, and where to split
+    each parameter. FSDP2 splits dim 0, padded to a multiple of the ranks, so a parameter whose
+    dim 0 is smaller than that (grouped experts, ``[experts, ...]``, over more ranks than
+    experts) would leave some ranks a shard of padding alone, as large as a real one: such a
+    parameter is split on the dimension that pads least instead, as torchtitan splits its
+    experts."""
+
+    def least_padded(param: nn.Parameter) -> Shard | None:
+        if param.ndim < 2 or param.shape[0] >= ranks:
+            return None  # FSDP's own Shard(0)
+        return Shard(min(range(param.ndim), key=lambda dim: -param.shape[dim] % ranks))
+
+    return {"shard_placement_fn": least_padded} | ({} if mp_policy is None else {"mp_policy": mp_policy})
+
+
+def _expert_parallel(
+    model: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy | None, compiling: bool
+) -> _Experts:
+    """The modules that hold this rank's own experts, and how FSDP treats them (checked against
+    the mesh). Left out of FSDP under a mixed-precision policy, each such module computes in
+    its parameter dtype (the module's ``compute_dtype``), as FSDP's own parameters do; a module
+    without one is refused."""
     expert_modules = [m for m in model.modules() if getattr(m, "expert_parallel_group", None) is not None]
+    world = dist.get_world_size() if expert_modules else 1
     if not expert_modules:
-        return set()
+        return _Experts([], None, world)
+    groups = {id(m.expert_parallel_group): m.expert_parallel_group for m in expert_modules}
+    if len(groups) != 1:
+        raise ValueError("every expert-parallel module must use the same expert-parallel process group")
+    group = next(iter(groups.values()))
+    ep = dist.get_world_size(group)
+    if mesh.size() != world or world % ep:
+        raise ValueError(
+            f"parallelize supports expert parallelism over a divisor of the ranks of a mesh over every "
+            f"rank: the mesh has {mesh.size()} ranks and the expert-parallel group {ep}, of {world} "
+            "in all; build the model with an ep_group whose size divides the world size and a mesh "
+            "covering all ranks"
+        )
+    if ep < world:
+        return _Experts(expert_modules, _expert_mesh(mesh, group, ep, compiling), world)
     dtype = None if mp_policy is None else mp_policy.param_dtype
     uncast = [m for m in expert_modules if dtype is not None and not hasattr(m, "compute_dtype")]
     if uncast:
@@ -208,22 +277,40 @@ def _expert_parallel_params(
             f"and so does not cast to mp_policy's param_dtype ({dtype}); give the module a "
             "`compute_dtype` attribute its forward casts its weights to, or pass no mp_policy"
         )
-    groups = {id(m.expert_parallel_group): m.expert_parallel_group for m in expert_modules}
-    if len(groups) != 1:
-        raise ValueError("every expert-parallel module must use the same expert-parallel process group")
-    group = next(iter(groups.values()))
-    ep_size, world = dist.get_world_size(group), dist.get_world_size()
-    if mesh.size() != world or ep_size != world:
-        raise ValueError(
-            f"parallelize supports expert parallelism over every rank for now: the FSDP mesh has "
-            f"{mesh.size()} ranks and the expert-parallel group {ep_size}, of {world} in all (experts "
-            "replicated over data-parallel groups would need averaging that is not there yet); build the "
-            "model with an ep_group and a mesh covering all ranks"
-        )
     if dtype is not None:
         for module in expert_modules:
             module.compute_dtype = dtype
-    return {p for m in expert_modules for p in m.parameters()}
+    return _Experts(expert_modules, None, world)
+
+
+def _expert_mesh(mesh: DeviceMesh, group: dist.ProcessGroup, ep: int, compiling: bool) -> DeviceMesh:
+    """The 1-D mesh over the ranks that hold the same experts as this one, for an expert-parallel
+    ``group`` of ``ep`` ranks laid out as consecutive blocks of ``mesh``'s."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if mesh.ndim != 1 or mesh.mesh_dim_names == ("tp",):
+        raise ValueError(
+            f"parallelize runs expert parallelism over {ep} of {mesh.size()} ranks on a 1-D FSDP mesh "
+            f"only, got the mesh {mesh.mesh_dim_names or tuple(mesh.shape)}; use experts over every "
+            "rank with tensor parallelism, or drop the 'tp' dimension"
+        )
+    if compiling:
+        raise ValueError(
+            f"experts over {ep} of {mesh.size()} ranks are sharded by FSDP inside each layer, whose "
+            "hooks would break the compiled layer's one graph; pass compile=False, or build the "
+            "experts over every rank"
+        )
+    world = mesh.size()
+    split = init_device_mesh(mesh.device_type, (world // ep, ep), mesh_dim_names=("expert_dp", "ep"))
+    want = split["ep"].mesh.flatten().tolist()
+    have = sorted(dist.get_process_group_ranks(group))
+    if have != want:
+        raise ValueError(
+            f"the expert-parallel group holds ranks {have}, where parallelize expects {want}: "
+            f"build it as init_device_mesh(device, ({world // ep}, {ep}), mesh_dim_names=('expert_dp', "
+            "'ep'))['ep'].get_group() does, consecutive blocks of ranks"
+        )
+    return split["expert_dp"]
 
 
 def _compile_options(compile: bool | Mapping[str, Any]) -> dict[str, Any] | None:

@@ -195,3 +195,55 @@ def process_group_named(name: str) -> Any:
         )
     return resolve(name)
 
+
+_STEPS_ASIDE = "_actplan_steps_aside"
+
+
+def fsdp_hooks_step_aside(layer: torch.nn.Module, mode_type: type) -> None:
+    """Makes the forward hooks of every module ``fully_shard`` sharded *inside* ``layer`` (not the
+    layer itself: torchtitan's experts, in their own FSDP group) run with the innermost dispatch
+    mode off the stack while it is a ``mode_type``: their unshard, reshard and input casts are
+    FSDP's work, not the layer's computation. When a checkpointed layer is recomputed in
+    backward, those hooks find FSDP in another state than in forward (the parameters already
+    unsharded, say) and run other ops, which the engine must neither record nor match against
+    the forward's. Idempotent; nothing happens while FSDP2 has not been imported. Reaches into
+    FSDP2's hook handles (``FSDPState._pre_forward_hook_handle``), as torch's own
+    ``FSDPMemTracker`` does."""
+    import sys
+
+    if "torch.distributed.fsdp" not in sys.modules:
+        return
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in layer.modules():
+        if module is layer or not isinstance(module, FSDPModule):
+            continue
+        state = module._get_fsdp_state()
+        for hooks, handle in (
+            (module._forward_pre_hooks, getattr(state, "_pre_forward_hook_handle", None)),
+            (module._forward_hooks, getattr(state, "_post_forward_hook_handle", None)),
+        ):
+            if handle is None:
+                raise TorchInternalsError(
+                    f"torch {torch.__version__}: FSDP2's state has no forward hook handles, so a "
+                    f"module sharded inside a checkpointed layer ({type(module).__name__}) cannot "
+                    "be recomputed; shard that module with its layer, or install the torch "
+                    "release actplan is tested with"
+                )
+            for hook_id in (h.id for h in getattr(handle, "handles", (handle,))):
+                hook = hooks.get(hook_id)  # a grouped state's handles span several modules
+                if hook is not None and not getattr(hook, _STEPS_ASIDE, False):
+                    hooks[hook_id] = _stepping_aside(hook, mode_type)
+
+
+def _stepping_aside(hook: Callable[..., Any], mode_type: type) -> Callable[..., Any]:
+    from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode_temporarily
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if isinstance(_get_current_dispatch_mode(), mode_type):
+            with _pop_mode_temporarily():
+                return hook(*args, **kwargs)
+        return hook(*args, **kwargs)
+
+    setattr(run, _STEPS_ASIDE, True)
+    return run

@@ -20,7 +20,7 @@ from typing import ClassVar, TypedDict, TypeVar
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
 from actplan.markers import checkpoint_record
@@ -217,6 +217,14 @@ class SeededGenerators:
         if device not in self._by_device:
             self._by_device[device] = torch.Generator(device).manual_seed(self.seed)
         return self._by_device[device]
+
+
+def copy_whole(param: torch.Tensor, value: torch.Tensor) -> None:
+    """``param.copy_(value)``, where ``value`` is the whole tensor and ``param`` may be a DTensor
+    (sharded by FSDP or TP): each rank keeps its own shard of ``value``, with no communication."""
+    if isinstance(param, DTensor):
+        value = distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None)
+    param.copy_(value)
 
 
 def init_weights(model: nn.Module, depth: int, seed: int = 0) -> None:

@@ -34,6 +34,7 @@ from actplan.models.dense import (
     MLAttention,
     RMSNorm,
     SeededGenerators,
+    copy_whole,
     model_tp_plan,
     preset_config,
     rope_frequencies,
@@ -397,15 +398,14 @@ class MoEModel(nn.Module):
         std_out = 0.02 / math.sqrt(2 * self.config.n_layers)
         with torch.no_grad():
             for name, param in self.named_parameters():
+                std = std_out if name.endswith(("o_proj.weight", "down_proj.weight", "w_down")) else 0.02
                 if name.endswith("norm.weight"):
                     param.fill_(1.0)
-                    continue
-                std = std_out if name.endswith(("o_proj.weight", "down_proj.weight", "w_down")) else 0.02
-                if name.endswith(("w_gate", "w_up", "w_down")):
-                    # Draw every expert, keep this rank's slice.
+                elif name.endswith(("w_gate", "w_up", "w_down")):
+                    # Draw every expert, keep this rank's slice (its FSDP shard of it, if sharded).
                     full = torch.empty(self.config.n_experts, *param.shape[1:], device=param.device)
                     full.normal_(0.0, std, generator=generator(param.device))
-                    param.copy_(full[ep.first : ep.first + ep.n_local])
+                    copy_whole(param, full[ep.first : ep.first + ep.n_local])
                 else:
                     param.normal_(0.0, std, generator=generator(param.device))
 

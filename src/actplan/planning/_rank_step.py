@@ -37,7 +37,7 @@ import gc
 import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -72,6 +72,7 @@ __all__ = [
     "OffloadFigures",
     "RankStep",
     "check_expert_layout",
+    "expert_group",
     "expert_layout_refusal",
     "fake_world",
     "formula_trace",
@@ -203,24 +204,26 @@ def rank_step(
     routing: Routing = "balanced",
 ) -> RankStep:
     """Rank 0 of FSDP over ``fsdp`` ranks, times tensor parallelism (with sequence
-    parallelism) over ``tp``, or with experts over ``ep`` ranks (which must be all ``fsdp`` of
-    them, without TP: what ``parallelize`` runs), on torch's fake process group:
+    parallelism) over ``tp``, or with experts over ``ep`` ranks (a divisor of ``fsdp``, without
+    TP: what ``parallelize`` runs), on torch's fake process group:
     ``step_on_mesh`` there. ``fake=False`` runs the same on real tensors (the tests compare them)."""
     training.check()  # before the process group starts
     check_expert_layout(shape, fsdp, tp, ep)
     with fake_world(fsdp * tp):
         mesh = layout_mesh(fsdp, tp)
-        return step_on_mesh(shape, preset, mesh, gpu, settings, fake, training, ep > 1, routing)
+        return step_on_mesh(shape, preset, mesh, gpu, settings, fake, training, ep, routing)
 
 
 def expert_layout_refusal(shape: Shape, fsdp: int, tp: int, ep: int) -> str | None:
     """Why the real code path cannot run an expert-parallel layout, or ``None`` when it can."""
     if ep == 1:
         return None
-    if ep != fsdp or tp != 1:
+    if fsdp % ep or tp != 1:
         return (
-            f"actplan.parallelize splits experts over every rank, without tensor parallelism: --ep "
-            f"{ep} with --fsdp {fsdp}" + (f" and --tp {tp}" if tp > 1 else "") + " is not such a layout"
+            f"actplan.parallelize splits experts over a divisor of the FSDP ranks, without tensor "
+            f"parallelism: --ep {ep} with --fsdp {fsdp}"
+            + (f" and --tp {tp}" if tp > 1 else "")
+            + " is not such a layout"
         )
     if shape.model != "moe" or shape.hf_config is not None or shape.titan is not None:
         return f"expert parallelism runs on the MoE reference model; {shape.name} is not one"
@@ -248,6 +251,16 @@ def layout_mesh(fsdp: int, tp: int) -> DeviceMesh:
     return init_device_mesh(device, (fsdp, tp), mesh_dim_names=("dp", "tp"))
 
 
+def expert_group(mesh: DeviceMesh, ep: int) -> Any:
+    """This rank's expert-parallel group of ``ep`` of the 1-D ``mesh``'s ranks, as
+    ``parallelize`` expects it: consecutive blocks of ranks."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = mesh.size()
+    split = init_device_mesh(mesh.device_type, (world // ep, ep), mesh_dim_names=("expert_dp", "ep"))
+    return split["ep"].get_group()
+
+
 def step_on_mesh(
     shape: Shape,
     preset: str | RecomputeConfig,
@@ -256,7 +269,7 @@ def step_on_mesh(
     settings: AllocatorSettings | None = None,
     fake: bool = True,
     training: TrainingSetup = DEFAULT_TRAINING,
-    expert_parallel: bool = False,
+    ep: int = 1,
     routing: Routing = "balanced",
 ) -> RankStep:
     """This rank of ``mesh`` training ``shape`` (the whole model: the layout shards it) under
@@ -265,9 +278,9 @@ def step_on_mesh(
     real gloo group, too). ``training`` is the optimizer, its implementation, the micro-batches
     per step and the frozen parameters (``TrainingSetup``): AdamW's ``foreach``, torch's default
     for CUDA tensors, allocates temporaries the size of the parameter shards at the step;
-    ``fused`` (torchtitan's default since February 2025) none. ``expert_parallel`` splits a MoE
-    model's experts over the mesh's ranks (a 1-D mesh), its token counts following ``routing``
-    on fake tensors (``FakeRun``'s routing)."""
+    ``fused`` (torchtitan's default since February 2025) none. ``ep`` above one splits a MoE
+    model's experts over that many of the mesh's ranks (a 1-D mesh; ``expert_group``), its token
+    counts following ``routing`` on fake tensors (``FakeRun``'s routing)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     training.check()
@@ -285,10 +298,10 @@ def step_on_mesh(
     # Tensor parallelism cannot be applied inside a fake mode: the model is built and
     # parallelized on the meta device, then given storage.
     ep_group = None
-    if expert_parallel:
+    if ep > 1:
         if len(names) > 1 or tp > 1:
             raise ValueError("expert parallelism is run over a 1-D mesh (FSDP over the same ranks)")
-        ep_group = mesh.get_group()
+        ep_group = mesh.get_group() if ep == mesh.size() else expert_group(mesh, ep)
     with torch.device("meta"):
         # fp32 parameters, cast to the compute dtype for each layer's forward by FSDP2.
         bundle = build_for_shape(shape, ep_group)

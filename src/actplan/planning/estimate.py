@@ -19,19 +19,20 @@ How a rank is run depends on the layout:
   stepped twice with a real AdamW. Nothing is a formula: parameter, gradient and optimizer
   shards, all-gathered layers, reduce-scatter buffers, the sequence-parallel regions at
   ``s/tp`` and the activations are what the code allocates.
-- **experts over every FSDP rank** (``ep`` equal to ``fsdp``, no tensor parallelism: the
-  layout ``actplan.parallelize`` runs): measured the same way, the MoE reference model's
-  experts split over the ranks and left out of FSDP, tokens exchanged by all-to-all on the fake
-  group; how many each expert receives is the routing assumption (balanced, every rank routing
-  as this one).
-- **other expert-parallel layouts**: the rank's layers (``Shape.per_rank``) are stepped bare,
-  and these parts are formulas, stated in the output and in docs/concepts.md: static memory
-  of 16 bytes per parameter (fp32 parameter, gradient and AdamW's two moments; non-expert
-  parameters sharded over ``fsdp`` ranks, the rank's experts over ``fsdp/ep``) plus two
+- **experts over ``ep`` of the FSDP ranks** (``ep`` dividing ``fsdp``, no TP: what
+  ``actplan.parallelize`` runs): measured the same way, the MoE reference model's experts
+  split over ``ep`` ranks (left out of FSDP when ``ep`` is ``fsdp``, else FSDP-sharded over
+  the ``fsdp/ep`` ranks holding the same ones, inside each layer), tokens exchanged by
+  all-to-all on the fake group; how many each expert receives is the routing assumption
+  (balanced, every rank routing as this one).
+- **expert parallelism with TP, or on other code**: the rank's layers (``Shape.per_rank``)
+  are stepped bare, and these parts are formulas, stated in the output and in
+  docs/concepts.md: 16 bytes per parameter (fp32 parameter, gradient and AdamW's moments;
+  non-expert parameters over ``fsdp`` ranks, the rank's experts over ``fsdp/ep``) plus two
   gathered units' parameters; each gradient dropped when complete, as FSDP's reduce-scatter
-  does; the sequence-parallel regions counted at the whole sequence (up to
-  ``4 s b h (1 - 1/tp)`` bytes per layer too many); balanced routing for experts. The
-  static part is allocated first in the replayed trace, tensor by tensor.
+  does; the sequence-parallel regions at the whole sequence (up to ``4 s b h (1 - 1/tp)``
+  bytes per layer too many); balanced routing. The static part is allocated first in the
+  replayed trace, tensor by tensor.
 
 The presets are independent runs of pure-Python fake-tensor dispatch, one core each: with
 ``workers`` above one they step in that many worker processes at once (``_workers``; the
@@ -138,12 +139,10 @@ def estimate(
     ``tp``, experts over ``ep``) under the caching allocator's ``allocator`` settings
     (torch's defaults when ``None``); with ``plans``, the planner's plan for ``budget_bytes``
     (or three budgets across the feasible range), each stepped like a preset;
-    ``training`` is the optimizer, the micro-batches per step and the frozen parameters
-    (``TrainingSetup``; AdamW, one micro-batch, nothing frozen by default). ``workers`` steps
-    the presets in that many processes at once (``_workers.Workers``; the planner's budgets are
-    tried side by side too). ``gpus_per_node`` replaces the GPU's (8): groups within a node run
-    their collectives on its GPU link, groups across nodes on the network. ``frontier`` adds the
-    planner's frontier, with and without offload (``EstimateResult.frontiers``).
+    ``training``: optimizer, micro-batches, frozen parameters (``TrainingSetup``). ``workers``
+    steps the presets (and tries the budgets) in that many processes at once. ``gpus_per_node``
+    replaces the GPU's (8): groups within a node use its GPU link, across nodes the network.
+    ``frontier`` adds the planner's frontier, with and without offload.
     ``host_budget_bytes``: the pinned host memory per node (default: the node's), shared by this
     job's GPUs on it; plans keep within it, a row that pins more does not fit. ``gpu``: a name
     in ``ACCELERATORS`` or an ``Accelerator`` (say, with other links). See the module doc."""
@@ -185,7 +184,7 @@ def estimate(
         raise ValueError(
             "--optimizer, --optimizer-impl, --grad-accum and --freeze need the measured path, which this "
             "expert-parallel layout does not run on (its static memory is AdamW's formula); leave them "
-            f"out, or give --ep equal to --fsdp ({fsdp}) without --tp"
+            "out, or drop --tp (expert parallelism is measured on the MoE reference model without TP)"
         )
     if workers < 1:
         raise ValueError(f"--workers must be 1 or more processes, got {workers}")
@@ -276,7 +275,8 @@ def estimate(
     ]
     if measured:
         layout = f"FSDP2 over {fsdp}" + (f" x TP {tp} with sequence parallelism" if tp > 1 else "")
-        layout += f", experts over the same {ep} (left out of FSDP)" if ep > 1 else ""
+        held = " (left out of FSDP)" if ep == fsdp else f" (each FSDP-sharded over {fsdp // ep})"
+        layout += f", experts over {ep} of them{held}" if ep > 1 else ""
         method = f"{layout} on a fake process group, {training.optimizer}, steady (2nd) step"
         notes.append(
             f"measured through actplan.parallelize: {layout} over {fsdp * tp} fake rank(s), bf16 "
@@ -290,8 +290,8 @@ def estimate(
             f"moments) over {fsdp} FSDP rank(s)"
             + (f" (experts over {fsdp // ep})" if ep > 1 else "")
             + f", plus two gathered units' {shape.dtype} parameters (actplan.parallelize runs "
-            "experts over every FSDP rank without TP; this layout is not one, so it is not run on the "
-            "fake process group)"
+            "expert parallelism on the MoE reference model without TP; this layout is not so run on "
+            "the fake process group)"
         )
         if tp > 1:
             too_many = human_bytes(4 * shape.seq * shape.batch * shape.hidden * (1 - 1 / tp))

@@ -193,7 +193,7 @@ class Planner:
 
 
 def shallow_profile(
-    shape: Shape, gpu: str | Accelerator, say: Callable[[str], None] | None = None, tp: int = 1
+    shape: Shape, gpu: str | Accelerator, say: Callable[[str], None] | None = None, tp: int = 1, ep: int = 1
 ) -> ModelProfile:
     """The profile of a shallow stack of ``shape`` (the dense prefix and a few alike layers)
     on fake tensors with the roofline clock: its whole-model steps are what a profile spends
@@ -202,18 +202,24 @@ def shallow_profile(
     With ``tp`` above one the stack is split over ``tp`` ranks of torch's fake process group
     as the estimate's rank step splits it (``_tensor_parallel``), and each layer is profiled as
     one rank runs it: its sequence-parallel regions at ``s/tp``, the all-gathers and
-    reduce-scatters around its matmuls on the clock, and rerun with them when recomputed."""
+    reduce-scatters around its matmuls on the clock, and rerun with them when recomputed.
+    With ``ep`` above one (a MoE shape) its experts are split over ``ep`` fake ranks
+    (``_expert_parallel``): each layer's all-to-alls run, on the clock, and what a
+    checkpointed layer holds of them (a replay never re-communicates) is measured."""
     shallow = replace(shape, layers=min(shape.layers, (shape.first_k_dense or 0) + _PROFILE_DEPTH))
     # A line per tenth of the work, with the count and the time left, as `plan` shows.
     lines = None
     if say is not None:
         lines = PlainLines(lambda line: say(line.replace("profiling: ", "profiling on fake tensors: ", 1)))
     with default_dtype(DTYPES[shape.dtype]):
-        if tp == 1:
+        if tp == ep == 1:
             with FakeRun() as fake:
                 bundle = build_for_shape(shallow)
                 return profile_model(bundle, spec=shape.name, device=fake.device, gpu=gpu, progress=lines)
-        with _tensor_parallel(shallow, tp) as bundle:
+        if tp > 1 and ep > 1:
+            raise ValueError("a profile splits a model over tensor- or expert-parallel ranks, not both")
+        split = _tensor_parallel(shallow, tp) if ep == 1 else _expert_parallel(shallow, ep)
+        with split as bundle:
             return profile_model(bundle, spec=shape.name, device=FakeRun.device, gpu=gpu, progress=lines)
 
 
@@ -236,6 +242,15 @@ def _tensor_parallel(shape: Shape, tp: int) -> Iterator[ModelBundle]:
         with FakeRun(materialize_meta=True) as fake, loss_parallel():
             bundle.model.to_empty(device=fake.device)
             yield bundle
+
+
+@contextlib.contextmanager
+def _expert_parallel(shape: Shape, ep: int) -> Iterator[ModelBundle]:
+    """The MoE reference model of ``shape`` with its experts split over ``ep`` fake ranks (this
+    process rank 0, every rank routing as this one), with fake storage, as
+    ``_rank_step.step_on_mesh`` splits them without FSDP."""
+    with fake_world(ep), FakeRun():
+        yield build_for_shape(shape, torch.distributed.group.WORLD)
 
 
 def planner_for(

@@ -205,10 +205,11 @@ def estimate(
     how = f"through parallelize over {fsdp * tp} fake ranks" if measured else "their layers bare"
     # The planner needs `none`'s row (and some row's static bytes), stepped with the presets.
     names = [*presets, *(["none"] if profiles and "none" not in presets else [])]
-    # One TP rank's share is planned (a transformers class gathers its logits whole); measured,
-    # the reference model is profiled split over fake TP ranks (a transformers class's, bare).
+    # One rank's share is planned (a transformers class gathers its logits whole); measured, the
+    # reference model is profiled split over fake TP or EP ranks (a transformers class's, bare).
     profiled = replace(rank_shape, vocab=shape.vocab) if measured and shape.hf_config else rank_shape
-    split, whom = (tp, shape) if measured and tp > 1 and shape.hf_config is None else (1, profiled)
+    split = measured and tp * ep > 1 and shape.hf_config is None
+    whom, degrees = (shape, {"tp": tp, "ep": ep}) if split else (profiled, {})
     refused: list[str] = []
     frontiers: dict[str, list[FrontierPoint]] = {}
     with Workers(min(workers, len(names) + profiles)) as pool:
@@ -217,7 +218,7 @@ def estimate(
         profiling = None
         if profiles and pool.parallel:  # the profile needs no row: it runs beside them
             say("profiling on fake tensors in a worker process, beside them")
-            profiling = pool.submit(shallow_profile, whom, accel, tp=split)
+            profiling = pool.submit(shallow_profile, whom, accel, **degrees)
         stepped = pool.run(
             [(preset_row, (job, name), {}) for name in names],
             lambda index: say(f"stepped {names[index]} ({time.perf_counter() - started:.0f} s)"),
@@ -226,7 +227,7 @@ def estimate(
         _, sizes, static, gathered = stepped[-1]
         if profiles:
             none_row = stepped[names.index("none")][0]
-            profile = pool.result(profiling) if profiling else shallow_profile(whom, accel, say, tp=split)
+            profile = pool.result(profiling) if profiling else shallow_profile(whom, accel, say, **degrees)
             planner = planner_for(
                 profile, profiled, accel.name, static + gathered, none_row.seconds, host_per_gpu
             )
@@ -301,10 +302,8 @@ def estimate(
                 f"1/{tp} of them: up to {too_many} per layer too many"
             )
     if ep > 1:
-        notes.append(
-            f"experts over {ep} ranks: routing assumed balanced"
-            + (", every rank routing as this one (the same tokens sent as received)" if measured else "")
-        )
+        alike = ", every rank routing as this one (the same tokens sent as received)" * measured
+        notes.append(f"experts over {ep} ranks: routing assumed balanced{alike}")
     notes.append(
         f"code measured: {shape.code if measured else rank_shape.code}"
         + ("; plans profiled on one tensor-parallel rank's share of it" if plans and tp > 1 else "")

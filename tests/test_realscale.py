@@ -42,12 +42,15 @@ def test_the_committed_real_scale_table_renders_from_its_json_and_its_plans_hold
     for name, result in data.items():
         rows = {row["preset"]: row for row in result["rows"]}
         plans = [row for row in result["rows"] if row["budget_bytes"] is not None]
-        assert len(plans) == 3, name
+        # Three budgets across the feasible range; one, at the least any plan holds, where that
+        # plus the presets' largest allocator gap is already above the GPU's memory (deepseek-v3
+        # under EP, where a checkpointed layer keeps its all-to-alls' outputs).
+        assert len(plans) in (1, 3), name
         for plan in plans:
             # Each plan, stepped, fits its budget of GPU memory: reserved plus what sits outside
-            # the allocator. Where the rank's layers are stepped bare (expert parallel), the
+            # the allocator. Where the rank's layers are stepped bare (a formula layout), the
             # planner predicted the requested peak to 2%; through the real path it plans without
-            # FSDP2's buffers and the sequence-parallel split, and the estimate re-plans.
+            # FSDP2's buffers, and the estimate re-plans a plan that does not fit.
             held = plan["reserved_peak_bytes"] + plan["outside_allocator_bytes"]
             assert plan["fits"] and held <= plan["budget_bytes"], (name, plan["preset"])
             if "formula" in result["method"]:

@@ -303,15 +303,12 @@ class MoE(nn.Module):
         output_splits = received.sum(1).tolist()
         arrived = fc.all_to_all_single_autograd(rows, output_splits, input_splits, ep.group)
         arrived = fc.wait_tensor(arrived)
-        # Arrived rows are ordered (source rank, expert); the GEMMs want (expert, source rank).
-        starts = (received.flatten().cumsum(0) - received.flatten()).view(ep.size, ep.n_local)
-        by_expert = torch.cat(
-            [
-                torch.arange(int(starts[r, e]), int(starts[r, e] + received[r, e]))
-                for e in range(ep.n_local)
-                for r in range(ep.size)
-            ]
-        ).to(rows.device)
+        # Arrived rows are ordered (source rank, expert); the GEMMs want (expert, source rank):
+        # a stable sort of each row's (expert, source) key, whatever the number of ranks.
+        flat = received.flatten()
+        slots = torch.arange(flat.numel(), device=flat.device)
+        segment = torch.repeat_interleave(slots, flat, output_size=sum(output_splits))
+        by_expert = ((segment % ep.n_local) * ep.size + segment // ep.n_local).argsort(stable=True)
         return arrived[by_expert], received.sum(0).tolist(), (by_expert, input_splits, output_splits)
 
     def _return(self, expert_out: torch.Tensor, exchange) -> torch.Tensor:

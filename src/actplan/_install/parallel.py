@@ -268,6 +268,14 @@ def _expert_parallel(
             "covering all ranks"
         )
     if ep < world:
+        layered = {id(m) for _, layer in find_layers(model) if layer is not model for m in layer.modules()}
+        stray = [m for m in expert_modules if id(m) not in layered]
+        if stray:
+            raise ValueError(
+                f"experts over {ep} of {world} ranks are sharded by FSDP inside their layer, and "
+                f"{type(stray[0]).__name__} sits in no layer parallelize shards; declare "
+                "the layer that holds it (recompute_intervals), or build the experts over every rank"
+            )
         return _Experts(expert_modules, _expert_mesh(mesh, group, ep, compiling), world)
     dtype = None if mp_policy is None else mp_policy.param_dtype
     uncast = [m for m in expert_modules if dtype is not None and not hasattr(m, "compute_dtype")]

@@ -185,16 +185,17 @@ def test_experts_over_part_of_the_fsdp_ranks_run_the_real_path_and_hold_their_sh
 def test_an_expert_parallel_profile_holds_what_a_rank_exchanges():
     # Profiled over 2 fake EP ranks, a fully checkpointed MoE layer holds its all-to-alls'
     # outputs (the replay never re-communicates): the dispatched and returned rows (32 tokens x
-    # top 2 x hidden 64, fp32) and the received counts (4 experts, int64). Profiled bare at one
-    # rank's share (what the estimate did before), it held neither, and the planner predicted
-    # its plans' peaks up to 8% low on a MoE shape at FSDP 4 x EP 4.
+    # top 2 x hidden 64, fp32) and the received counts (4 experts, int64); and the sort that
+    # orders the arrived rows by expert (its keys and indices, 64 of each, int64), a routing
+    # decision. Profiled bare at one rank's share (what the estimate did before), it held none of
+    # them, and the planner predicted its plans' peaks up to 8% low on a MoE shape at FSDP 4 x EP 4.
     def full(profile):
         layer = next(t for t in profile.layer_types if t.class_name == "MoEDecoderLayer")
         return layer.candidate("full").retained_bytes
 
     split = shallow_profile(SMALL_MOE, "h100", ep=2)
     bare = shallow_profile(SMALL_MOE.per_rank(1, 2), "h100")
-    assert full(split) - full(bare) == 2 * 32 * 2 * 64 * 4 + 4 * 8
+    assert full(split) - full(bare) == 2 * 32 * 2 * 64 * 4 + 4 * 8 + 2 * 64 * 8
 
 
 def test_static_memory_follows_the_stated_formula_and_the_budget_picks_the_fastest_fit():

@@ -1,6 +1,7 @@
 """The distributed internals the estimate relies on: torch's fake process group, the in-place
 storage resizes FSDP2 frees and regrows unsharded parameters with, DTensor's shape propagation,
-and the plain tensor behind a functional collective's result. Part of
+and the plain tensor behind a functional collective's result; and the one the engine relies on,
+FSDP2's forward hooks on a module sharded inside a checkpointed layer. Part of
 ``actplan._torch_internals``, which re-exports them; imports torch and ``_errors``.
 """
 

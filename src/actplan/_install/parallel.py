@@ -34,7 +34,7 @@ from actplan._install.tensor_parallel import (
 from actplan._torch_internals import compile_module_under, is_compiled_module, layer_compile_flags
 from actplan.config import ConfigError, RecomputeConfig
 
-__all__ = ["parallelize", "tensor_parallel_plan", "tensor_parallelize"]
+__all__ = ["expert_parallel_mesh", "parallelize", "tensor_parallel_plan", "tensor_parallelize"]
 
 
 def parallelize(
@@ -291,11 +291,20 @@ def _expert_parallel(
     return _Experts(expert_modules, None, world)
 
 
+def expert_parallel_mesh(mesh: DeviceMesh, ep: int) -> DeviceMesh:
+    """The 2-D ``("expert_dp", "ep")`` mesh over the 1-D ``mesh``'s ranks that ``parallelize``
+    expects experts over ``ep`` of them laid out by: ``["ep"]`` consecutive blocks of ``ep``
+    ranks (build the model's expert-parallel group from it), ``["expert_dp"]`` the ranks that
+    hold the same experts. Collective: every rank calls it."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = mesh.size()
+    return init_device_mesh(mesh.device_type, (world // ep, ep), mesh_dim_names=("expert_dp", "ep"))
+
+
 def _expert_mesh(mesh: DeviceMesh, group: dist.ProcessGroup, ep: int, compiling: bool) -> DeviceMesh:
     """The 1-D mesh over the ranks that hold the same experts as this one, for an expert-parallel
     ``group`` of ``ep`` ranks laid out as consecutive blocks of ``mesh``'s."""
-    from torch.distributed.device_mesh import init_device_mesh
-
     if mesh.ndim != 1 or mesh.mesh_dim_names == ("tp",):
         raise ValueError(
             f"parallelize runs expert parallelism over {ep} of {mesh.size()} ranks on a 1-D FSDP mesh "
@@ -309,7 +318,7 @@ def _expert_mesh(mesh: DeviceMesh, group: dist.ProcessGroup, ep: int, compiling:
             "experts over every rank"
         )
     world = mesh.size()
-    split = init_device_mesh(mesh.device_type, (world // ep, ep), mesh_dim_names=("expert_dp", "ep"))
+    split = expert_parallel_mesh(mesh, ep)
     want = split["ep"].mesh.flatten().tolist()
     have = sorted(dist.get_process_group_ranks(group))
     if have != want:

@@ -44,7 +44,7 @@ import torch.distributed as dist
 
 from actplan._install.apply import offload_engine
 from actplan._install.baselines import baseline
-from actplan._install.parallel import parallelize
+from actplan._install.parallel import expert_parallel_mesh, parallelize
 from actplan._torch_internals import fake_process_group_store
 from actplan.config import RecomputeConfig
 from actplan.config._presets import OFFLOAD_VARIANTS
@@ -254,11 +254,7 @@ def layout_mesh(fsdp: int, tp: int) -> DeviceMesh:
 def expert_group(mesh: DeviceMesh, ep: int) -> Any:
     """This rank's expert-parallel group of ``ep`` of the 1-D ``mesh``'s ranks, as
     ``parallelize`` expects it: consecutive blocks of ranks."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    world = mesh.size()
-    split = init_device_mesh(mesh.device_type, (world // ep, ep), mesh_dim_names=("expert_dp", "ep"))
-    return split["ep"].get_group()
+    return expert_parallel_mesh(mesh, ep)["ep"].get_group()
 
 
 def step_on_mesh(

@@ -380,7 +380,7 @@ def test_shipped_shapes_load_and_say_where_they_come_from():
          "need the measured path, which this expert-parallel layout does not run on"),
         (["--shape", "llama3-8b", "--titan", "llama3:8B"], "give one of --shape, --titan, not several"),
         (["--titan", "llama3:8B", "--heads", "16"], "--heads would change torchtitan's model"),
-        (["--titan", "llama3:8B", "--fsdp", "8", "--tp", "2"], "runs FSDP layouts only"),
+        (["--titan", "llama3:8B", "--fsdp", "8", "--ep", "2"], "--ep 2 needs a MoE shape; llama3:8B is"),
         (["--shape", "llama3-8b", "--workers", "0"], "--workers must be 1 or more processes, got 0"),
     ],
 )  # fmt: skip
@@ -992,36 +992,36 @@ def test_a_torchtitan_spec_it_cannot_build_is_refused_by_name(spec, given, messa
 
 
 @pytest.mark.parametrize("preset", ["none", "full", "titan-op-sac"])
-def test_torchtitans_own_llama_steps_fake_as_real_on_the_fsdp_path(preset):
+@pytest.mark.parametrize("tp", [1, 2], ids=["fsdp2", "fsdp2-tp2"])
+def test_torchtitans_own_llama_steps_fake_as_real(preset, tp):
     # torchtitan's code (complex fp32 RoPE, fused QKV, fp32 loss) through actplan.parallelize's
-    # FSDP2: the fake step measures what the same step measures on real tensors.
+    # FSDP2, split first by torchtitan's own tensor parallelism (its sharding declarations:
+    # vocabulary-parallel embedding, sequence-parallel norms, its loss-parallel cross-entropy):
+    # the fake step measures what the same step measures on real tensors.
     pytest.importorskip("torchtitan")
     from actplan.models.titan import shape_from_titan
 
     shape = shape_from_titan("llama3:debugmodel", layers=2, seq=32, batch=2, dtype="fp32")
-    fake = rank_step(shape, preset, 2, "h100")
-    real = rank_step(shape, preset, 2, "h100", fake=False)
+    fake = rank_step(shape, preset, 2, "h100", tp=tp)
+    real = rank_step(shape, preset, 2, "h100", tp=tp, fake=False)
     assert _untimed(fake) == _untimed(real)
     assert fake.activation_bytes > 0
+    if tp > 1:  # a rank holds its share of the heads and of the sequence, not the whole layer
+        whole = rank_step(shape, preset, 4, "h100")
+        assert fake.activation_bytes < 0.75 * whole.activation_bytes
 
 
-def test_a_torchtitan_model_under_tensor_parallelism_is_refused_before_any_work():
-    pytest.importorskip("torchtitan")
-    from actplan.models.titan import shape_from_titan
-
-    with pytest.raises(ValueError, match="runs FSDP layouts only"):
-        estimate(shape_from_titan("llama3:debugmodel"), ("none",), fsdp=2, tp=2)
-
-
-def test_a_plan_estimated_on_torchtitans_model_installs_on_that_model():
-    # The plans are profiled on torchtitan's own blocks, so their units and made_for block are
-    # those of the model a torchtitan user trains, and actplan.apply takes the plan there.
+@pytest.mark.parametrize("tp", [1, 2], ids=["fsdp2", "fsdp2-tp2"])
+def test_a_plan_estimated_on_torchtitans_model_installs_on_that_model(tp):
+    # The plans are profiled on torchtitan's own blocks (under TP, one rank's share of them as
+    # torchtitan splits them: DTensors in and out of each block), so their units and made_for
+    # block are those of the model a torchtitan user trains, and actplan.apply takes the plan there.
     pytest.importorskip("torchtitan")
     import actplan
     from actplan.models.titan import shape_from_titan, titan_model
 
     shape = shape_from_titan("llama3:debugmodel", layers=2, seq=64, batch=2, dtype="bf16")
-    result = estimate(shape, ("none",), fsdp=2, plans=True)
+    result = estimate(shape, ("none",), fsdp=2, tp=tp, plans=True)
     assert result.plans
     for row in result.plans:
         config = RecomputeConfig.from_yaml(row.plan_yaml)

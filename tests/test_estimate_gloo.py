@@ -6,6 +6,7 @@ replay."""
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 from pathlib import Path
 
@@ -34,6 +35,8 @@ PLAIN = {  # id: (fsdp, tp, preset)
     "dp2tp2-titan-op-sac": (2, 2, "titan-op-sac"),
 }
 OFFLOADED = {"fsdp2": (2, 1, "full+offload"), "tp2": (1, 2, "matmuls+offload")}
+# torchtitan's own llama3 split by its own tensor parallelism, then FSDP2: id -> (fsdp, tp, preset)
+TITAN = {"dp2tp2-titan-op-sac": (2, 2, "titan-op-sac")} if importlib.util.find_spec("torchtitan") else {}
 EXPERTS = {  # id: (preset, dtype, fsdp); experts over 2 ranks
     "full-fp32": ("full", "fp32", 2),
     "matmuls-fp32": ("matmuls", "fp32", 2),
@@ -55,6 +58,9 @@ def _scenarios(folder: Path) -> dict[str, dict]:
         config.write_text(json.dumps(OFFLOADS[offload]))
         plan = {"shape": SHAPE.to_dict(), "fsdp": fsdp, "tp": tp, "preset": str(config)}
         scenarios[f"offload-{name}"] = plan
+    for name, (fsdp, tp, preset) in TITAN.items():
+        titan = _titan_shape().to_dict()
+        scenarios[f"titan-{name}"] = {"shape": titan, "fsdp": fsdp, "tp": tp, "preset": preset}
     for name, (preset, dtype, fsdp) in EXPERTS.items():
         moe = dataclasses.replace(MOE, dtype=dtype).to_dict()
         scenarios[f"ep-{name}"] = {"shape": moe, "fsdp": fsdp, "tp": 1, "preset": preset, "ep": 2}
@@ -108,6 +114,26 @@ def test_offload_on_a_real_gloo_run_moves_what_the_fake_rank_moves(real, name):
     rank0.pop("routing")
     _drop_times(fake, rank0)
     assert fake["moved"]["offloaded_bytes"] > 0 and fake["moved"]["host_bytes"] > 0
+    assert rank0 == fake
+
+
+def _titan_shape() -> Shape:
+    from actplan.models.titan import shape_from_titan
+
+    return shape_from_titan("llama3:debugmodel", layers=2, seq=32, batch=2, dtype="fp32")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", TITAN)
+def test_torchtitans_own_tensor_parallelism_on_real_gloo_ranks_holds_what_the_fake_rank_holds(real, name):
+    """torchtitan's llama3 split by its own sharding declarations (vocabulary-parallel embedding
+    with its TP group, sequence-parallel norms, its loss-parallel cross-entropy) and sharded by
+    actplan.parallelize's FSDP2: rank 0 of real gloo ranks holds what the fake rank holds."""
+    rank0, _ = real(f"titan-{name}")
+    fsdp, tp, preset = TITAN[name]
+    fake = dataclasses.asdict(rank_step(_titan_shape(), preset, fsdp, "h100", tp=tp))
+    rank0.pop("routing")
+    _drop_times(fake, rank0)
     assert rank0 == fake
 
 

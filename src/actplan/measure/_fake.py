@@ -46,6 +46,7 @@ from typing import Any, Literal, TypeVar
 
 import torch
 from torch import nn
+from torch.distributed import ProcessGroup
 
 from actplan._torch_internals import (
     DEVICE_QUERY,
@@ -94,15 +95,19 @@ def copy_module(module: _Module) -> _Module:
     """``copy.deepcopy(module)``, also when its tensors are fake: ``deepcopy`` of a fake tensor
     makes one of a new fake mode, which cannot meet the running one's tensors. Fake parameters,
     buffers and tensor attributes (and DTensors around fake ones, a tensor-parallel layer's)
-    are cloned in the running mode first; a real module is deep-copied as it is."""
+    are cloned in the running mode first; a real module is deep-copied as it is. A process
+    group a module holds (torchtitan's vocabulary-parallel embedding keeps its TP group) is
+    shared with the copy: it cannot be copied, and the copy runs on the same ranks."""
     tensors: dict[int, torch.Tensor] = {}
+    memo: dict[int, Any] = {}
     for m in module.modules():
         for value in (*m._parameters.values(), *m._buffers.values(), *vars(m).values()):
             if isinstance(value, torch.Tensor):
                 tensors.setdefault(id(value), value)
+            elif isinstance(value, ProcessGroup):
+                memo[id(value)] = value
     if fake_mode_of(tensors.values()) is None:
-        return copy.deepcopy(module)
-    memo: dict[int, Any] = {}
+        return copy.deepcopy(module, memo)
     with torch.no_grad():
         for key, tensor in tensors.items():
             if isinstance(tensor, nn.Parameter):

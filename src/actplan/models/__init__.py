@@ -121,12 +121,13 @@ def build_model(name: str = "dense", size: str = "small", **overrides) -> ModelB
     )
 
 
-def build_for_shape(shape: Shape, ep_group: Any = None) -> ModelBundle:
+def build_for_shape(shape: Shape, ep_group: Any = None, tp_mesh: Any = None) -> ModelBundle:
     """The model a real-scale estimate steps for ``shape``, in the current default dtype and
     device: transformers' own class when the shape came from a ``config.json`` (its code: how
     its norms cast, its RoPE, its attention, its loss), torchtitan's own model for
-    ``shape.titan``, else the reference model; a MoE
-    reference model splits its experts over ``ep_group`` (a process group) when one is given."""
+    ``shape.titan`` (split by torchtitan's own tensor parallelism over ``tp_mesh`` when one is
+    given), else the reference model; a MoE reference model splits its experts over
+    ``ep_group`` (a process group) when one is given."""
     if ep_group is not None:
         if shape.model != "moe" or shape.hf_config is not None or shape.titan is not None:
             raise ValueError(
@@ -134,10 +135,15 @@ def build_for_shape(shape: Shape, ep_group: Any = None) -> ModelBundle:
                 f"runs {shape.code}"
             )
         return build_model(shape.model, "small", ep_group=ep_group, **shape.model_overrides())
+    if tp_mesh is not None and shape.titan is None:
+        raise ValueError(
+            f"a model built split over a tensor-parallel mesh is torchtitan's (--titan); {shape.name} "
+            "is split by actplan.parallelize's plan instead"
+        )
     if shape.titan is not None:
         from actplan.models.titan import titan_model
 
-        model, make_batch, description = titan_model(shape)
+        model, make_batch, description = titan_model(shape, tp_mesh)
         return ModelBundle("titan", "custom", model, make_batch, description)
     if shape.hf_config is None:
         return build_model(shape.model, "small", **shape.model_overrides())

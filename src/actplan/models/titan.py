@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from actplan._torch_internals import FakeTensor
 from actplan.models.shape import Shape
@@ -109,10 +111,19 @@ class TitanLoss(nn.Module):
         return self.loss(self.decoder(tokens), labels) / labels.numel()
 
 
-def titan_model(shape: Shape) -> tuple[nn.Module, Callable[[int], dict[str, torch.Tensor]], str]:
+def titan_model(
+    shape: Shape, tp_mesh: DeviceMesh | None = None
+) -> tuple[nn.Module, Callable[[int], dict[str, torch.Tensor]], str]:
     """torchtitan's model for ``shape.titan`` at ``shape.layers`` (the flavour's first layers, or
     its last one repeated), SDPA standing in for FlexAttention; with ``make_batch(seed)`` of
-    ``shape.batch`` x ``shape.seq`` tokens and a description."""
+    ``shape.batch`` x ``shape.seq`` tokens and a description.
+
+    With ``tp_mesh`` (a 1-D mesh) the model is split over it by torchtitan's own tensor
+    parallelism, as its trainer applies it before FSDP: the flavour's sharding declarations
+    (``torchtitan.models.<model>.sharding``, sequence parallel on, torchtitan's default) applied
+    by ``Module.parallelize`` on torchtitan's DTensor path, the head's logits sharded by
+    vocabulary for a loss-parallel cross-entropy. Build it on the meta device: parallelizing
+    inside a fake mode fails."""
     from torchtitan.components.loss import cross_entropy_loss
     from torchtitan.models.common.attention import ScaledDotProductAttention
 
@@ -121,7 +132,11 @@ def titan_model(shape: Shape) -> tuple[nn.Module, Callable[[int], dict[str, torc
     config.layers = [layers[min(index, len(layers) - 1)] for index in range(shape.layers)]
     for layer in config.layers:
         layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    if tp_mesh is not None:  # declared after the swap: the attention's own local map with it
+        _declare_sharding(shape.titan, config)
     decoder = config.build()
+    if tp_mesh is not None:
+        decoder.parallelize(_tensor_parallel_dims(tp_mesh))
     weight = next(decoder.parameters())
     if weight.device.type != "meta" and not isinstance(weight, FakeTensor):
         decoder.init_states()  # values (RoPE's table among them); meta and fake tensors have none
@@ -133,3 +148,51 @@ def titan_model(shape: Shape) -> tuple[nn.Module, Callable[[int], dict[str, torc
         return {"tokens": ids[:, :-1].contiguous(), "labels": ids[:, 1:].contiguous()}
 
     return model, make_batch, f"torchtitan {shape.titan} ({shape.layers} layers, SDPA for FlexAttention)"
+
+
+def _declare_sharding(spec: str, config: Any) -> None:
+    """The flavour's own tensor-parallel declarations on ``config``, sequence parallel on."""
+    model = spec.partition(":")[0]
+    try:
+        module = importlib.import_module(f"torchtitan.models.{model}.sharding")
+    except ImportError:
+        module = None
+    declare = getattr(module, f"set_{model}_sharding_config", None)
+    if declare is None:
+        raise ValueError(
+            f"--titan {spec} under tensor parallelism: this torchtitan declares no sharding for "
+            f"{model} (torchtitan.models.{model}.sharding.set_{model}_sharding_config, torchtitan "
+            "0.3 and later); drop --tp, or estimate the shape with --shape or --hf-config"
+        )
+    options = inspect.signature(declare).parameters
+    declare(config, enable_sp=True, **({"enable_ep": False} if "enable_ep" in options else {}))
+
+
+def _tensor_parallel_dims(tp_mesh: DeviceMesh) -> Any:
+    """torchtitan's ``ParallelDims`` for its DTensor path (``partial_dtensor``: FSDP applied
+    apart, as ``actplan.parallelize`` applies it) with its tensor-parallel axis on ``tp_mesh``:
+    a dimension of the mesh FSDP shards over, as FSDP2 requires of a DTensor parameter's mesh.
+    Its own meshes would be a second device mesh over the same ranks, on the accelerator."""
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed.utils import set_spmd_backend
+
+    class OnTheEstimatesMesh(ParallelDims):
+        def resolve_mesh(self, axes: Any) -> DeviceMesh | None:
+            names = {getattr(axis, "value", axis) for axis in axes}
+            return tp_mesh if "tp" in names else None  # DP and CP stay out of band on this path
+
+        def get_optional_mesh(self, dims: Any, **_: Any) -> DeviceMesh | None:
+            if dims in ("tp", ["tp"]):
+                return tp_mesh
+            raise ValueError(
+                f"torchtitan's model asked for the {dims} mesh, which the estimate does not lay "
+                "out for --titan (a tensor-parallel mesh only); drop --tp"
+            )
+
+    set_spmd_backend("partial_dtensor")  # as its trainer does for such a run (the loss reads it)
+    tp = tp_mesh.size()
+    world = torch.distributed.get_world_size()
+    return OnTheEstimatesMesh(
+        dp_replicate=1, dp_shard=world // tp, cp=1, tp=tp, pp=1, ep=1, world_size=world,
+        spmd_backend="partial_dtensor",
+    )  # fmt: skip

@@ -228,17 +228,19 @@ def _tensor_parallel(shape: Shape, tp: int) -> Iterator[ModelBundle]:
     """The reference model of ``shape`` split over a tensor-parallel group of ``tp`` fake ranks
     (this process rank 0), with fake storage, as ``_rank_step.step_on_mesh`` splits it
     without FSDP: its own plan with the head loss parallel (the block runs under
-    ``loss_parallel()``)."""
+    ``loss_parallel()``); torchtitan's model by torchtitan's own tensor parallelism."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import loss_parallel
 
-    if shape.hf_config is not None or shape.titan is not None:
+    if shape.hf_config is not None:
         raise ValueError(f"a tensor-parallel profile runs the reference models; {shape.name} is not one")
     with fake_world(tp):
         mesh = init_device_mesh(FakeRun.device.type, (tp,), mesh_dim_names=("tp",))
+        titan_tp = mesh if shape.titan is not None else None  # split by torchtitan's own code
         with torch.device("meta"):  # tensor parallelism cannot be applied inside a fake mode
-            bundle = build_for_shape(shape)
-        tensor_parallelize(bundle.model, mesh, loss_parallel_plan(bundle.model, tp))
+            bundle = build_for_shape(shape, tp_mesh=titan_tp)
+        if titan_tp is None:
+            tensor_parallelize(bundle.model, mesh, loss_parallel_plan(bundle.model, tp))
         with FakeRun(materialize_meta=True) as fake, loss_parallel():
             bundle.model.to_empty(device=fake.device)
             yield bundle

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from actplan._install.apply import apply, find_layers, offload_engine
 from actplan._storage import owned_storages, storage_key
@@ -132,15 +133,22 @@ class IsolatedLayer:
         # The gradient arriving from the next layer: fixed, so every candidate sees the same.
         out = self._plain_output()
         gen = torch.Generator(device="cpu").manual_seed(0)
+
+        def grad_for(t: torch.Tensor) -> torch.Tensor:
+            local = t.to_local() if isinstance(t, DTensor) else t  # a layer that returns a DTensor
+            grad = torch.randn(local.shape, generator=gen, dtype=t.dtype).to(t.device)
+            if isinstance(t, DTensor):
+                return DTensor.from_local(grad, t.device_mesh, t.placements, shape=t.shape, stride=t.stride())
+            return grad
+
         self.grads = [
-            torch.randn(t.shape, generator=gen, dtype=t.dtype).to(t.device)
-            for t in tree_leaves(out)
-            if isinstance(t, torch.Tensor) and t.requires_grad
+            grad_for(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad
         ]
         # In a model, the gradient arriving at the layer's output is a new tensor, alive during
         # the layer's backward; alone, it exists before the metered window. (The gradient made
         # for the input is counted alone too: autograd makes it before accumulating it.)
-        self.boundary_grad_bytes = sum(g.numel() * g.element_size() for g in self.grads)
+        local_grads = [g.to_local() if isinstance(g, DTensor) else g for g in self.grads]
+        self.boundary_grad_bytes = sum(g.numel() * g.element_size() for g in local_grads)
 
     def _inputs(self) -> tuple[tuple, dict]:
         # Fresh non-leaf copies of the activations, made inside the measured window, so the

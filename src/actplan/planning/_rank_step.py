@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from actplan._install.apply import offload_engine
 from actplan._install.baselines import baseline
@@ -298,13 +299,17 @@ def step_on_mesh(
         if len(names) > 1 or tp > 1:
             raise ValueError("expert parallelism is run over a 1-D mesh (FSDP over the same ranks)")
         ep_group = mesh.get_group() if ep == mesh.size() else expert_group(mesh, ep)
+    # torchtitan's model is split by torchtitan's own tensor parallelism as it is built.
+    titan_tp = mesh["tp"] if tp > 1 and shape.titan is not None else None
     with torch.device("meta"):
         # fp32 parameters, cast to the compute dtype for each layer's forward by FSDP2.
-        bundle = build_for_shape(shape, ep_group)
+        bundle = build_for_shape(shape, ep_group, titan_tp)
     model = bundle.model
-    parameters = sum(p.numel() for p in model.parameters())
+    parameters = sum(p.numel() for p in model.parameters())  # a DTensor counts its whole shape
     training.apply_freeze(model)  # before sharding, as a user freezes a LoRA base
-    options = {"tp_plan": loss_parallel_plan(model, tp)} if loss_parallel else {}
+    options = {}
+    if loss_parallel:
+        options["tp_plan"] = None if titan_tp else loss_parallel_plan(model, tp)
     parallelize(model, mesh, install(model, preset), mp_policy=policy, **options)
     run = FakeRun(routing=routing, materialize_meta=True) if fake else contextlib.nullcontext()
     with run, warnings.catch_warnings():
@@ -372,6 +377,8 @@ def _initialise(model: torch.nn.Module, shape: Shape, ep_group) -> None:
             model.reset_parameters()
         built = dict(build_for_shape(shape, ep_group).model.named_buffers())
         for name, buffer in model.named_buffers():
+            if isinstance(buffer, DTensor):  # torchtitan's tensor parallelism replicates its own
+                buffer = buffer.to_local()
             buffer.copy_(built[name])
 
 

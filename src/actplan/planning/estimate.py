@@ -173,12 +173,6 @@ def estimate(
             f"{human_bytes(accel.memory_bytes)}; give a budget within it, or another --gpu"
         )
     training.check()
-    if shape.titan is not None and (tp > 1 or ep > 1):
-        raise ValueError(
-            f"--titan {shape.titan} runs FSDP layouts only: torchtitan applies its tensor and expert "
-            "parallelism in its own parallelize functions, which the estimate does not run yet; drop "
-            "--tp and --ep, or estimate the shape with --shape or --hf-config"
-        )
     measured = ep == 1 or expert_layout_refusal(shape, fsdp, tp, ep) is None
     if not measured and training != DEFAULT_TRAINING:
         raise ValueError(

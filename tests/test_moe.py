@@ -112,8 +112,8 @@ def test_config_errors_name_the_fix():
 def test_parallelize_refuses_expert_layouts_it_cannot_shard_naming_the_fix():
     # Experts over 2 of 4 ranks (on torch's fake process group): parallelize shards each expert
     # over the ranks holding the same ones, inside their layer, which it finds by the layout a
-    # 2-D mesh gives (consecutive blocks); another grouping, experts in no layer, a TP mesh,
-    # compiled layers or a group that does not divide the ranks are refused.
+    # 2-D mesh gives (consecutive blocks); another grouping, experts in no layer, a mesh of TP
+    # alone (no FSDP), compiled layers or a group that does not divide the ranks are refused.
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -133,10 +133,10 @@ def test_parallelize_refuses_expert_layouts_it_cannot_shard_naming_the_fix():
         model.stray = moe.GroupedExperts(config, model.expert_group)  # in no layer
         with pytest.raises(ValueError, match="GroupedExperts sits in no layer parallelize shards"):
             actplan.parallelize(model, mesh, "full")
-        tp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        tp_alone = init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))
         model, _ = moe.build("tiny", ep_group=blocks)
-        with pytest.raises(ValueError, match="on a 1-D FSDP mesh only"):
-            actplan.parallelize(model, tp, "full")
+        with pytest.raises(ValueError, match="a mesh of tensor parallelism alone has no FSDP"):
+            actplan.parallelize(model, tp_alone, "full")
         three = dist.new_group([0, 1, 2])
         model, _ = moe.build("tiny", n_experts=3, top_k=1, ep_group=three)
         with pytest.raises(ValueError, match="group 3, of 4 in all"):

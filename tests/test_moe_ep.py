@@ -45,6 +45,11 @@ def results(tmp_path_factory):
     # layer, in forward and in the replay. With 2 experts, each rank's one expert is fewer rows
     # than its 2 FSDP ranks: parallelize splits it on another dimension, not into padding.
     quarter = {f"ep2of4-{name}": [plans[name], "fsdp-ep2"] for name in ("none", "full", "matmuls")}
+    # FSDP over 2 tensor-parallel pairs with sequence parallelism: each rank routes its own half of
+    # the sequence; the experts over each pair (FSDP-sharded over the pairs) or over every rank.
+    quarter |= {f"tp-ep2-{name}": [plans[name], "tp-ep2"] for name in ("none", "full", "matmuls")}
+    four = {"n_experts": 4}  # one expert per rank
+    quarter |= {f"tp-epall-{name}": [plans[name], "tp-epall", four] for name in ("none", "full")}
     out = out.with_name("ep2of4.json")
     two_experts = json.dumps({"n_experts": 2})
     ranks = run_ranks(WORKER, [json.dumps(quarter), two_experts], out, nproc=4, timeout=600)
@@ -65,6 +70,11 @@ def results(tmp_path_factory):
         "ep2of4-none",
         "ep2of4-full",
         "ep2of4-matmuls",
+        "tp-ep2-none",
+        "tp-ep2-full",
+        "tp-ep2-matmuls",
+        "tp-epall-none",
+        "tp-epall-full",
     ],
 )
 def test_expert_parallel_matches_one_process(results, plan):
@@ -94,6 +104,9 @@ def test_experts_fewer_than_their_fsdp_ranks_are_split_on_another_dimension(resu
         ("fsdp-matmuls", "fsdp-none"),
         ("ep2of4-full", "ep2of4-none"),
         ("ep2of4-matmuls", "ep2of4-none"),
+        ("tp-ep2-full", "tp-ep2-none"),
+        ("tp-ep2-matmuls", "tp-ep2-none"),
+        ("tp-epall-full", "tp-epall-none"),
     ],
 )
 def test_recompute_replays_no_collective(results, plan, baseline):
@@ -101,6 +114,20 @@ def test_recompute_replays_no_collective(results, plan, baseline):
     # must not re-fire the layer's (or the experts') unshard either.
     for base, rank in zip(results[baseline], results[plan], strict=True):
         assert rank["forward_collectives"] == base["forward_collectives"] > 0
+        if plan.startswith("tp-") and plan.endswith("-full"):
+            # Under sequence parallelism the dense first layer, which declares no routing unit,
+            # reruns its gathers before the projections and the reduce-scatter after attention
+            # (the one after its MLP lies past its last saved tensor), as `full` does in test_tp;
+            # the MoE layers hold theirs, all-to-alls included.
+            ops = rank["backward_collective_ops"]
+            extra = {op: n - base["backward_collective_ops"].get(op, 0) for op, n in ops.items()}
+            moved = {op: n for op, n in extra.items() if n and "wait" not in op and "wrap" not in op}
+            assert moved == {
+                "_c10d_functional.all_gather_into_tensor.default": 2,
+                "_c10d_functional.reduce_scatter_tensor.default": 1,
+            }
+            assert rank["backward_topk"] == 0
+            continue
         # Backward runs each all-to-all's transpose and nothing more.
         assert rank["backward_collectives"] == base["backward_collectives"] > 0
         assert rank["backward_topk"] == 0
@@ -119,9 +146,10 @@ def test_counting_catches_a_replayed_collective(results):
         assert rank["backward_topk"] > 0
 
 
-@pytest.mark.parametrize(
-    "plan", ["none", "full", "matmuls", "fsdp-full", "fsdp-matmuls", "compiled-matmuls", "ep2of4-full"]
-)
+FLAT = ["none", "full", "matmuls", "fsdp-full", "fsdp-matmuls", "compiled-matmuls"]
+
+
+@pytest.mark.parametrize("plan", [*FLAT, "ep2of4-full", "tp-ep2-full"])
 def test_memory_stays_flat_over_20_steps(results, plan):
     for rank in results[plan]:
         live = rank["live_after_step"]

@@ -49,6 +49,7 @@ from actplan.config import ConfigError
 from actplan.markers import checkpoint_record
 from actplan.measure import MemoryMeter
 from actplan.models import build_model
+from actplan.models.experts import RoutesItsOwnTokens
 from actplan.units import MarkerInterval, RecomputeIntervalMap
 from planned import half_way_plan
 
@@ -331,8 +332,16 @@ def test_moe_plan_splits_attention_and_shared_expert_only():
         f"layers.{i}.moe.shared.{p}" for i in (1, 2) for p in ("gate_proj", "up_proj", "down_proj")
     }
     assert styles(plan, "layers.0.mlp.gate_proj") == [ColwiseParallel]  # the dense first layer
-    with pytest.raises(ValueError, match=r"without sequence parallelism.*sequence_parallel=False"):
+    with pytest.raises(ValueError, match=r"split by expert parallelism.*sequence_parallel=False"):
         tensor_parallel_plan(model, 2, sequence_parallel=True)
+    # With its experts split by expert parallelism, each rank routes its own sequence shard: the
+    # norm, router and shared expert replicated on it, the experts marked (tests/test_moe_ep.py).
+    split = build_model("moe", "tiny", simulated_ep=2).model
+    plan = tensor_parallel_plan(split, 2, sequence_parallel=True)
+    for name in ("mlp_norm", "router", "shared.gate_proj", "shared.down_proj"):
+        assert styles(plan, f"layers.1.moe.{name}") == [SequenceParallel]
+    assert styles(plan, "layers.1.moe.experts") == [RoutesItsOwnTokens]
+    assert styles(plan, "layers.1.attn.o_proj") == [RowwiseParallel]
 
 
 def test_mla_is_refused_until_its_shared_rotary_key_is_reduced():

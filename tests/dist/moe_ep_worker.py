@@ -2,13 +2,17 @@
 
 Usage: moe_ep_worker.py SCENARIOS [OVERRIDES] OUT_JSON, where OVERRIDES (a JSON object) changes
 the tiny MoE's config for every model of the launch, and SCENARIOS is a JSON object naming each
-scenario ``[PLAN, HOW]`` (PLAN: a preset name or a JSON config; HOW: ``""``, ``fsdp``,
-``fsdp-compile`` or ``fsdp-ep2``). All scenarios run in one process group, one after another (the launch, not
+scenario ``[PLAN, HOW]``, or ``[PLAN, HOW, OVERRIDES]`` with its own config changes (PLAN: a
+preset name or a JSON config; HOW: ``""``, ``fsdp``, ``fsdp-compile``, ``fsdp-ep2``, ``tp-ep2``
+or ``tp-epall``). All scenarios run in one process group, one after another (the launch, not
 the scenario, is what costs). With ``fsdp`` the model goes through ``actplan.parallelize`` on a
 mesh over every rank, with ``fsdp-compile`` also compiling each layer, aot_eager (its collectives
 are not counted then, since a dispatch mode would make dynamo run the compiled layers eagerly);
 with ``fsdp-ep2`` the experts are split over 2 of the ranks (launched on 4: FSDP shards each
-expert over the 2 ranks that hold it, inside each layer).
+expert over the 2 ranks that hold it, inside each layer). ``tp-ep2`` and ``tp-epall`` run FSDP
+over pairs of tensor-parallel ranks with sequence parallelism (a ``("dp", "tp")`` mesh; each
+pair takes a data-parallel share of the batch, each rank of a pair half its sequence), the
+experts over each pair (FSDP-sharded over the pairs) or over every rank.
 Every rank builds the single-process model on the global batch as the reference,
 then for each scenario the expert-parallel model (experts split over ranks, tokens exchanged
 with all_to_all) on its half of the batch under PLAN, and compares: loss, every
@@ -50,35 +54,53 @@ def main(scenarios: str, *rest: str) -> None:
     *overrides, out_path = rest
     CONFIG_OVERRIDES.update(json.loads(overrides[0]) if overrides else {})
     dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)
-    reference, config = moe.build("tiny", **CONFIG_OVERRIDES)
-    per_rank = config.batch_size
-    batch = moe.make_batch(config, seed=1, batch_size=per_rank * world)
-    out_ref = reference(**batch)
-    out_ref["loss"].backward()
-    findings = {
-        name: scenario(plan, how, reference, out_ref, batch, per_rank, config.seq_len)
-        for name, (plan, how) in json.loads(scenarios).items()
-    }
+    findings = {}
+    for name, (plan, how, *own) in json.loads(scenarios).items():
+        findings[name] = scenario(plan, how, *references(own[0] if own else {}))
     write_gathered(findings, out_path, bare=True)
     leave()
 
 
-def scenario(plan: str, how: str, reference, out_ref: dict, batch: dict, per_rank: int, seq_len: int) -> dict:
+_REFERENCES: dict[str, tuple] = {}
+
+
+def references(overrides: dict) -> tuple:
+    """The single-process reference for the launch's config with a scenario's own
+    ``overrides`` (a fourth item of its entry): the model after its backward on the global
+    batch, its outputs, the batch, the rows per rank and the sequence length."""
+    key = json.dumps(overrides, sort_keys=True)
+    if key not in _REFERENCES:
+        torch.manual_seed(0)
+        reference, config = moe.build("tiny", **(CONFIG_OVERRIDES | overrides))
+        per_rank = config.batch_size
+        batch = moe.make_batch(config, seed=1, batch_size=per_rank * dist.get_world_size())
+        out_ref = reference(**batch)
+        out_ref["loss"].backward()
+        _REFERENCES[key] = (reference, out_ref, batch, per_rank, config.seq_len, overrides)
+    return _REFERENCES[key]
+
+
+def scenario(
+    plan: str, how: str, reference, out_ref: dict, batch: dict, per_rank: int, seq_len: int, overrides: dict
+) -> dict:
     """One scenario on this rank (see the module doc): its findings."""
-    fsdp, compiling = how.startswith("fsdp"), how == "fsdp-compile"
+    tp = 2 if how.startswith("tp-") else 1
+    fsdp, compiling = how.startswith(("fsdp", "tp-")), how == "fsdp-compile"
     rank, world = dist.get_rank(), dist.get_world_size()
-    mine = {k: v[rank * per_rank : (rank + 1) * per_rank] for k, v in batch.items()}
+    rows = slice(rank // tp * per_rank * tp, (rank // tp + 1) * per_rank * tp)  # a pair shares its rows
+    mine = {k: v[rows] for k, v in batch.items()}
     if compiling:  # this scenario's graphs only
         torch._dynamo.reset()
         torch._dynamo.utils.counters.clear()
     group = dist.group.WORLD
-    if how == "fsdp-ep2":
+    if how in ("fsdp-ep2", "tp-ep2"):
         group = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("expert_dp", "ep"))["ep"].get_group()
-    model, _ = moe.build("tiny", ep_group=group, **CONFIG_OVERRIDES)
+    model, _ = moe.build("tiny", ep_group=group, **(CONFIG_OVERRIDES | overrides))
     config_arg = json.loads(plan) if plan.startswith("{") else plan
-    if fsdp:
+    if tp > 1:
+        mesh = init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("dp", "tp"))
+        actplan.parallelize(model, mesh, config_arg, sequence_parallel=True)
+    elif fsdp:
         compile_options = {"backend": "aot_eager"} if compiling else False
         actplan.parallelize(model, init_device_mesh("cpu", (world,)), config_arg, compile=compile_options)
     elif plan != "none":
@@ -112,10 +134,11 @@ def scenario(plan: str, how: str, reference, out_ref: dict, batch: dict, per_ran
         diff = (grad - want).abs().max().item()
         if diff > worst:
             worst, worst_name = diff, name
-    # Routing: this rank's tokens are rows [rank * per_rank, ...) of the reference's.
-    tokens = per_rank * seq_len
+    # Routing: this rank's tokens are its rows of the reference's batch, and under sequence
+    # parallelism its share of their sequence.
+    shard = slice(rank % tp * seq_len // tp, (rank % tp + 1) * seq_len // tp)
     routing_equal = all(
-        torch.equal(ids, ref_ids[rank * tokens : (rank + 1) * tokens])
+        torch.equal(ids, ref_ids.view(-1, seq_len, ids.shape[-1])[rows, shard].reshape(ids.shape))
         for ids, ref_ids in zip(out["expert_ids"], out_ref["expert_ids"], strict=True)
     )
 
@@ -140,6 +163,11 @@ def scenario(plan: str, how: str, reference, out_ref: dict, batch: dict, per_ran
         "routing_equal": routing_equal,
         "forward_collectives": collectives(forward_ops),
         "backward_collectives": collectives(backward_ops),
+        "backward_collective_ops": {
+            str(op): n
+            for op, n in backward_ops.counts.items()
+            if getattr(op, "namespace", "") in COLLECTIVE_NAMESPACES
+        },
         "backward_topk": backward_ops[torch.ops.aten.topk.default],
         "live_after_step": live_after_step,
         "peak_live_bytes": meter.report().peak_live_bytes,

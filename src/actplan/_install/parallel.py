@@ -123,7 +123,8 @@ def parallelize(
             sequence between layers (norms on sequence shards, all-gather before the colwise
             projections, reduce-scatter after the rowwise ones). ``None``: the model's
             default (on for the dense reference model and Hugging Face decoders, off for
-            the MoE reference model, which does not support it).
+            the MoE reference model, whose routed experts it needs split by expert
+            parallelism: each tensor-parallel rank then routes its own sequence shard).
         compile: ``True`` to compile each checkpointable layer with
             ``torch.compile(fullgraph=True)``; a mapping of further
             ``torch.compile`` keyword arguments (``{"backend": "aot_eager"}``)
@@ -181,11 +182,7 @@ def parallelize(
     if dp_mesh is not None:
         # The root keeps FSDP's default: not resharded after forward, as backward starts with its head.
         fully_shard(model, mesh=dp_mesh, ignored_params=experts.unsharded or None, **sharding)
-    world = mesh.size()
-    for param in experts.unsharded:
-        # The all-to-all backward summed every rank's tokens into it; FSDP averages the rest.
-        if param.requires_grad:  # a frozen expert gets no gradient to average
-            param.register_hook(lambda grad: grad / world)
+    experts.average_unsharded()  # the all-to-all's backward summed every rank's tokens into them
     return plan
 
 
@@ -204,11 +201,27 @@ def _reject_compiled_offload(config: RecomputeConfig | dict[str, Any] | str | Pa
 class _Experts:
     """Where a model's expert-parallel modules go: left out of FSDP (``unsharded``, their
     group spans every rank) or sharded in groups of their own over ``mesh`` (the ranks that
-    hold the same experts)."""
+    hold the same experts); and what their gradients are divided by."""
 
-    def __init__(self, modules: list[nn.Module], mesh: DeviceMesh | None, world: int) -> None:
-        self.modules, self.mesh, self.world = modules, mesh, world
+    def __init__(self, modules: list[nn.Module], mesh: DeviceMesh | None, world: int, tp: int = 1) -> None:
+        self.modules, self.mesh, self.world, self.tp = modules, mesh, world, tp
         self.unsharded = {p for m in modules for p in m.parameters()} if mesh is None else set()
+
+    def divisor(self, module: nn.Module) -> int:
+        """The experts' summed gradient over the data-parallel average: every rank's tokens
+        add into it, each token once per tensor-parallel rank that routes it (all of them,
+        unless each routes its own sequence shard: ``routes_own_tokens``)."""
+        copies = 1 if getattr(module, "routes_own_tokens", False) else self.tp
+        return self.world // self.tp * copies
+
+    def average_unsharded(self) -> None:
+        """A hook on each expert parameter FSDP leaves out: its gradient over ``divisor``, as
+        FSDP averages the rest."""
+        for module in self.modules:
+            divisor = self.divisor(module)
+            for param in module.parameters():
+                if param in self.unsharded and param.requires_grad:  # a frozen one gets none
+                    param.register_hook(lambda grad, divisor=divisor: grad / divisor)
 
     def shard_inside(
         self, layer: nn.Module, reshard_after_forward: bool, mp_policy: MixedPrecisionPolicy | None
@@ -223,7 +236,7 @@ class _Experts:
         for module in self.modules:
             if id(module) in inside:
                 fully_shard(module, mesh=self.mesh, reshard_after_forward=reshard_after_forward, **sharding)
-                module.set_gradient_divide_factor(self.world)
+                module.set_gradient_divide_factor(self.divisor(module))
                 # gloo has no pre-multiplied sum: divide before and after a plain sum instead
                 module.set_force_sum_reduction_for_comms(gloo)
 
@@ -260,6 +273,7 @@ def _expert_parallel(
         raise ValueError("every expert-parallel module must use the same expert-parallel process group")
     group = next(iter(groups.values()))
     ep = dist.get_world_size(group)
+    tp = mesh["tp"].size() if "tp" in (mesh.mesh_dim_names or ()) else 1
     if mesh.size() != world or world % ep:
         raise ValueError(
             f"parallelize supports expert parallelism over a divisor of the ranks of a mesh over every "
@@ -276,7 +290,7 @@ def _expert_parallel(
                 f"{type(stray[0]).__name__} sits in no layer parallelize shards; declare "
                 "the layer that holds it (recompute_intervals), or build the experts over every rank"
             )
-        return _Experts(expert_modules, _expert_mesh(mesh, group, ep, compiling), world)
+        return _Experts(expert_modules, _expert_mesh(mesh, group, ep, compiling), world, tp)
     dtype = None if mp_policy is None else mp_policy.param_dtype
     uncast = [m for m in expert_modules if dtype is not None and not hasattr(m, "compute_dtype")]
     if uncast:
@@ -288,14 +302,15 @@ def _expert_parallel(
     if dtype is not None:
         for module in expert_modules:
             module.compute_dtype = dtype
-    return _Experts(expert_modules, None, world)
+    return _Experts(expert_modules, None, world, tp)
 
 
 def expert_parallel_mesh(mesh: DeviceMesh, ep: int) -> DeviceMesh:
-    """The 2-D ``("expert_dp", "ep")`` mesh over the 1-D ``mesh``'s ranks that ``parallelize``
-    expects experts over ``ep`` of them laid out by: ``["ep"]`` consecutive blocks of ``ep``
-    ranks (build the model's expert-parallel group from it), ``["expert_dp"]`` the ranks that
-    hold the same experts. Collective: every rank calls it."""
+    """The 2-D ``("expert_dp", "ep")`` mesh over ``mesh``'s ranks (1-D, or ``("dp", "tp")``
+    in rank order) that ``parallelize`` expects experts over ``ep`` of them laid out by:
+    ``["ep"]`` consecutive blocks of ``ep`` ranks (build the model's expert-parallel group from
+    it; with a tensor-parallel dimension a block holds whole tensor-parallel groups, or part of
+    one), ``["expert_dp"]`` the ranks that hold the same experts. Collective: every rank calls it."""
     from torch.distributed.device_mesh import init_device_mesh
 
     world = mesh.size()
@@ -305,11 +320,11 @@ def expert_parallel_mesh(mesh: DeviceMesh, ep: int) -> DeviceMesh:
 def _expert_mesh(mesh: DeviceMesh, group: dist.ProcessGroup, ep: int, compiling: bool) -> DeviceMesh:
     """The 1-D mesh over the ranks that hold the same experts as this one, for an expert-parallel
     ``group`` of ``ep`` ranks laid out as consecutive blocks of ``mesh``'s."""
-    if mesh.ndim != 1 or mesh.mesh_dim_names == ("tp",):
+    if mesh.mesh_dim_names == ("tp",):
         raise ValueError(
-            f"parallelize runs expert parallelism over {ep} of {mesh.size()} ranks on a 1-D FSDP mesh "
-            f"only, got the mesh {mesh.mesh_dim_names or tuple(mesh.shape)}; use experts over every "
-            "rank with tensor parallelism, or drop the 'tp' dimension"
+            f"experts over {ep} of {mesh.size()} ranks are FSDP-sharded over the ranks that hold the "
+            "same ones, and a mesh of tensor parallelism alone has no FSDP; use a ('dp', 'tp') mesh, "
+            "or experts over every rank"
         )
     if compiling:
         raise ValueError(

@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
 from actplan.markers import checkpoint_record
 from actplan.models.attention import TPPlan, prefixed
@@ -40,6 +40,7 @@ from actplan.models.dense import (
     rope_frequencies,
 )
 from actplan.models.dense import make_batch as make_batch
+from actplan.models.experts import ExpertGroup, GroupedExperts, RoutesItsOwnTokens
 from actplan.units import MarkerInterval, RecomputeIntervalMap
 
 
@@ -135,63 +136,6 @@ class MoELayerOutput(TypedDict):
     expert_ids: torch.Tensor  # [tokens, top_k] routing decisions, for checks
 
 
-class ExpertGroup:
-    """Which experts this rank holds, and the process group that shares them out."""
-
-    def __init__(self, n_experts: int, group: dist.ProcessGroup | None = None, simulated: int = 1) -> None:
-        self.group = group
-        # Without a group, `simulated` > 1 is rank 0 of a group that size, run alone.
-        self.size = dist.get_world_size(group) if group is not None else simulated
-        self.rank = dist.get_rank(group) if group is not None else 0
-        if n_experts % self.size:
-            raise ValueError(
-                f"{n_experts} experts cannot be split evenly over an expert-parallel group of "
-                f"{self.size}; choose n_experts divisible by the group size"
-            )
-        self.n_local = n_experts // self.size
-        self.first = self.rank * self.n_local
-
-    def __deepcopy__(self, memo: dict) -> ExpertGroup:
-        # A process group cannot be copied; copies of a model share its expert layout.
-        return self
-
-
-class GroupedExperts(nn.Module):
-    """This rank's experts: SwiGLU weights stacked as [local experts, in, out].
-
-    ``expert_parallel_group`` tells ``actplan.parallelize`` that these weights are split across
-    ranks (each holds different experts), so they must not be averaged with the other ranks'
-    like replicated ones. Left out of FSDP, its mixed precision does not cast them either:
-    ``compute_dtype`` (``parallelize`` sets it from ``mp_policy``) casts them for each forward."""
-
-    def __init__(self, config: MoEConfig, ep: ExpertGroup) -> None:
-        super().__init__()
-        d, f, n = config.dim, config.expert_ffn_dim, ep.n_local
-        self.ep = ep
-        self.compute_dtype: torch.dtype | None = None
-        self.w_gate = nn.Parameter(torch.empty(n, d, f))
-        self.w_up = nn.Parameter(torch.empty(n, d, f))
-        self.w_down = nn.Parameter(torch.empty(n, f, d))
-
-    @property
-    def expert_parallel_group(self) -> dist.ProcessGroup | None:
-        return self.ep.group if self.ep.size > 1 else None
-
-    def forward(self, rows: torch.Tensor, counts: list[int]) -> list[torch.Tensor]:
-        """Each expert's output rows, in expert order."""
-        chunks = rows.split(counts)
-        checkpoint_record("moe_experts")
-        dtype = self.compute_dtype or self.w_gate.dtype  # `.to` of the same dtype is no op
-        w_gate, w_up = self.w_gate.to(dtype), self.w_up.to(dtype)
-        gates = [chunk @ w_gate[e] for e, chunk in enumerate(chunks)]
-        ups = [chunk @ w_up[e] for e, chunk in enumerate(chunks)]
-        checkpoint_record("moe_act")
-        acts = [F.silu(g) * u for g, u in zip(gates, ups, strict=True)]
-        checkpoint_record("moe_down")
-        w_down = self.w_down.to(dtype)
-        return [a @ w_down[e] for e, a in enumerate(acts)]
-
-
 class MoE(nn.Module):
     """Pre-norm routed experts plus a shared expert; returns the residual stream after them."""
 
@@ -226,15 +170,29 @@ class MoE(nn.Module):
             )
 
     def tensor_parallel_plan(self, sequence_parallel: bool) -> TPPlan:
-        """The shared expert split as a dense MLP (gate and up colwise, down rowwise and
-        all-reduced); the norm, the router and the routed experts stay replicated (or split over
-        ranks by expert parallelism), so every tensor-parallel rank routes the same tokens."""
+        """Without sequence parallelism: the shared expert split as a dense MLP (gate and up
+        colwise, down rowwise and all-reduced); the norm, the router and the routed experts
+        replicated (or split over ranks by expert parallelism), so every tensor-parallel rank
+        routes the same tokens. With it, as torchtitan runs MoE layers under tensor
+        parallelism, each tensor-parallel rank routes its own sequence shard: the norm, the
+        router and the shared expert replicated on sequence shards (their gradients summed over
+        the tensor-parallel ranks), the routed experts split by expert parallelism only, which
+        it needs."""
         if sequence_parallel:
-            raise ValueError(
-                "the MoE reference model runs tensor parallelism without sequence parallelism: its "
-                "router and routed experts are replicated over the tensor-parallel ranks and take the "
-                "whole sequence; pass sequence_parallel=False (or leave it unset)"
-            )
+            if self.ep.size == 1:
+                raise ValueError(
+                    "under sequence parallelism each tensor-parallel rank routes its own tokens, and the "
+                    "MoE reference model's routed experts must then be split by expert parallelism "
+                    "(build it with an ep_group); or pass sequence_parallel=False"
+                )
+            own_rows = (SequenceParallel(sequence_dim=0, use_local_output=True),)  # [tokens, dim] rows
+            shared = {f"shared.{name}": own_rows for name in ("gate_proj", "up_proj", "down_proj")}
+            return {
+                "mlp_norm": (SequenceParallel(use_local_output=True),),
+                "router": own_rows,
+                "experts": (RoutesItsOwnTokens(),),
+                **(shared if self.shared is not None else {}),
+            }
         if self.shared is None:
             return {}
         return {
@@ -407,8 +365,9 @@ class MoEModel(nn.Module):
                     param.normal_(0.0, std, generator=generator(param.device))
 
     def tensor_parallel_plan(self, tp: int, sequence_parallel: bool | None = None) -> TPPlan:
-        """As the dense model's, with ``MoE.tensor_parallel_plan`` for the MoE blocks; no
-        sequence parallelism (``sequence_parallel=True`` raises ``ValueError``)."""
+        """As the dense model's, with ``MoE.tensor_parallel_plan`` for the MoE blocks; without
+        sequence parallelism by default (``sequence_parallel=True`` needs the routed experts
+        split by expert parallelism)."""
         sizes = {"shared_expert_ffn_dim": shared} if (shared := self.config.shared_expert_ffn_dim) else {}
         return model_tp_plan(self, tp, bool(sequence_parallel), sizes)
 

@@ -78,8 +78,10 @@ def test_a_layout_that_does_not_divide_is_named():
         SMALL_MOE.per_rank(ep=3)
     with pytest.raises(ValueError, match="needs a MoE shape"):
         SMALL.per_rank(ep=2)
-    with pytest.raises(ValueError, match="--ep 4 must divide --fsdp 2"):
+    with pytest.raises(ValueError, match="--ep 4 must divide the 2 ranks of --fsdp 2"):
         estimate(SMALL_MOE, ("none",), fsdp=2, ep=4)
+    with pytest.raises(ValueError, match=r"--ep 4 must divide the 6 ranks of --fsdp 3 x --tp 2"):
+        estimate(SMALL_MOE, ("none",), fsdp=3, tp=2, ep=4)
 
 
 def test_the_fake_profile_sees_every_byte_and_second_the_real_profile_sees():
@@ -182,6 +184,22 @@ def test_experts_over_part_of_the_fsdp_ranks_run_the_real_path_and_hold_their_sh
         assert estimate(SMALL_MOE, ("none",), fsdp=4, ep=ep).static_bytes == result.static_bytes
 
 
+@pytest.mark.parametrize("ep", [2, 4])
+def test_experts_over_ranks_with_tensor_parallelism_run_the_real_path(ep):
+    # FSDP 2 x TP 2 with sequence parallelism, each rank routing its own sequence shard, the
+    # experts over 2 of the 4 ranks (FSDP-sharded over the other 2) or over all 4: measured,
+    # with plans profiled on one rank split both ways. (Its bytes against real gloo ranks:
+    # test_estimate_gloo.py.)
+    result = estimate(SMALL_MOE, ("none", "full"), fsdp=2, tp=2, ep=ep, plans=True)
+    held = "(each FSDP-sharded over 2)" if ep == 2 else "(left out of FSDP)"
+    assert f"FSDP2 over 2 x TP 2 with sequence parallelism, experts over {ep} of them {held}" in result.method
+    none, full = result.rows[:2]
+    assert full.activation_bytes < none.activation_bytes and result.plans
+    # A rank holds its share of the sequence: less than with the same experts over FSDP alone.
+    alone = estimate(SMALL_MOE, ("none",), fsdp=4, ep=ep).rows[0]
+    assert none.activation_bytes < alone.activation_bytes
+
+
 def test_an_expert_parallel_profile_holds_what_a_rank_exchanges():
     # Profiled over 2 fake EP ranks, a fully checkpointed MoE layer holds its all-to-alls'
     # outputs (the replay never re-communicates): the dispatched and returned rows (32 tokens x
@@ -199,10 +217,11 @@ def test_an_expert_parallel_profile_holds_what_a_rank_exchanges():
 
 
 def test_static_memory_follows_the_stated_formula_and_the_budget_picks_the_fastest_fit():
-    # Expert parallel with TP runs the rank's layers bare, with the static memory by formula.
+    # Expert parallel with TP on latent attention, which the reference model's tensor
+    # parallelism does not split, runs the rank's layers bare, with the static memory by formula.
     presets = ("none", "full", "matmuls")
-    result = estimate(SMALL_MOE, presets, gpu="a100", fsdp=4, tp=2, ep=2, budget_bytes=70 * 2**30)
-    dense = result.parameters - preset_step(SMALL_MOE.per_rank(2, 2), "none", "a100")[1].expert_parameters
+    result = estimate(SMALL_MLA_MOE, presets, gpu="a100", fsdp=4, tp=2, ep=2, budget_bytes=70 * 2**30)
+    dense = result.parameters - preset_step(SMALL_MLA_MOE.per_rank(2, 2), "none", "a100")[1].expert_parameters
     assert result.static_bytes == 16 * dense // 4 + 16 * (result.parameters - dense) * 2 // 4
     none, full, matmuls = result.rows
     for row in result.rows:
@@ -213,6 +232,7 @@ def test_static_memory_follows_the_stated_formula_and_the_budget_picks_the_faste
     assert full.activation_bytes < matmuls.activation_bytes < none.activation_bytes
     assert result.recommended.preset == "none"  # everything fits: the fastest
     assert "formula" in result.method
+    assert any("does not split multi-head latent attention" in note for note in result.notes)
 
 
 def test_sequence_parallel_regions_are_held_at_a_ranks_share_of_the_sequence():
@@ -376,7 +396,7 @@ def test_shipped_shapes_load_and_say_where_they_come_from():
          "such flag"),
         (["--shape", "llama3-8b", "--grad-accum", "0"], "--grad-accum must be 1 or more"),
         (["--shape", "llama3-8b", "--freeze", "("], "--freeze '(' is not a regular expression"),
-        (["--shape", "mixtral-8x7b", "--fsdp", "4", "--tp", "2", "--ep", "2", "--grad-accum", "2"],
+        (["--shape", "deepseek-v3", "--fsdp", "4", "--tp", "2", "--ep", "2", "--grad-accum", "2"],
          "need the measured path, which this expert-parallel layout does not run on"),
         (["--shape", "llama3-8b", "--titan", "llama3:8B"], "give one of --shape, --titan, not several"),
         (["--titan", "llama3:8B", "--heads", "16"], "--heads would change torchtitan's model"),

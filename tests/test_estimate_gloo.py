@@ -46,6 +46,10 @@ EXPERTS = {  # id: (preset, dtype, fsdp); experts over 2 ranks
     "of4-matmuls-fp32": ("matmuls", "fp32", 4),
 }
 
+# FSDP 2 x TP 2 with sequence parallelism, each rank routing its own sequence shard, the experts
+# over each tensor-parallel pair (FSDP-sharded over the pairs) or over all 4: id -> (preset, ep)
+EXPERTS_TP = {"full-ep2": ("full", 2), "matmuls-ep4": ("matmuls", 4)}
+
 
 def _scenarios(folder: Path) -> dict[str, dict]:
     """Every scenario below: its shape, layout and preset (an offload config as a file's path,
@@ -64,6 +68,8 @@ def _scenarios(folder: Path) -> dict[str, dict]:
     for name, (preset, dtype, fsdp) in EXPERTS.items():
         moe = dataclasses.replace(MOE, dtype=dtype).to_dict()
         scenarios[f"ep-{name}"] = {"shape": moe, "fsdp": fsdp, "tp": 1, "preset": preset, "ep": 2}
+    for name, (preset, ep) in EXPERTS_TP.items():
+        scenarios[f"tp-{name}"] = {"shape": MOE.to_dict(), "fsdp": 2, "tp": 2, "preset": preset, "ep": ep}
     return scenarios
 
 
@@ -154,13 +160,26 @@ def test_expert_parallel_rank_zero_holds_what_the_fake_rank_holds_on_its_routing
     assert rank0 == fake
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("name", EXPERTS_TP)
+def test_experts_with_tensor_parallelism_on_real_gloo_ranks_hold_what_the_fake_rank_holds(real, name):
+    """Each rank routes its own half of the sequence (sequence parallelism) to experts over 2 or
+    4 of the ranks: the fake rank, replaying rank 0's token counts, holds what rank 0 held."""
+    rank0, _ = real(f"tp-{name}")
+    preset, ep = EXPERTS_TP[name]
+    routing = rank0.pop("routing")
+    fake = dataclasses.asdict(rank_step(MOE, preset, 2, "h100", tp=2, ep=ep, routing=routing))
+    _drop_times(fake, rank0)
+    assert rank0 == fake
+
+
 def test_balanced_routing_on_the_fake_group_receives_what_it_sends():
     """Without recorded counts, every rank routes as rank 0 does: balanced counts, and an
     exchange that hands each rank as many tokens as it sends. Activations then do not depend
     on which rank is measured, and a layout the real path cannot run is refused."""
     full = rank_step(MOE, "none", 2, "h100", ep=2)
     assert full.activation_bytes > 0
-    with pytest.raises(ValueError, match="splits experts over a divisor of the FSDP ranks"):
+    with pytest.raises(ValueError, match="splits experts over a divisor of the ranks"):
         rank_step(MOE, "none", 4, "h100", ep=3)
     with pytest.raises(ValueError, match="MoE reference model"):
         rank_step(SHAPE, "none", 2, "h100", ep=2)

@@ -147,7 +147,7 @@ def _add_estimate(sub) -> None:
         "--ep",
         type=int,
         default=1,
-        help="expert-parallel ranks, from the FSDP ones (= --fsdp: the real path)",
+        help="expert-parallel ranks, from the FSDP and TP ones (dividing --fsdp x --tp; the real path)",
     )
     parser.add_argument(
         "--presets",

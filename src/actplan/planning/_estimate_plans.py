@@ -17,7 +17,7 @@ from actplan.config import RecomputeConfig
 from actplan.measure import Accelerator, FakeRun
 from actplan.models import ModelBundle, build_for_shape
 from actplan.models.shape import DTYPES, Shape
-from actplan.planning._rank_step import fake_world, loss_parallel_plan
+from actplan.planning._rank_step import expert_group, fake_world, loss_parallel_plan
 from actplan.planning.choose import config_for, made_for
 from actplan.planning.planner import BudgetError, minimum_peak, none_peak, plan_summary, solve
 from actplan.planning.profile import ModelProfile, profile_model
@@ -216,31 +216,33 @@ def shallow_profile(
             with FakeRun() as fake:
                 bundle = build_for_shape(shallow)
                 return profile_model(bundle, spec=shape.name, device=fake.device, gpu=gpu, progress=lines)
-        if tp > 1 and ep > 1:
-            raise ValueError("a profile splits a model over tensor- or expert-parallel ranks, not both")
-        split = _tensor_parallel(shallow, tp) if ep == 1 else _expert_parallel(shallow, ep)
+        split = _tensor_parallel(shallow, tp, ep) if tp > 1 else _expert_parallel(shallow, ep)
         with split as bundle:
             return profile_model(bundle, spec=shape.name, device=FakeRun.device, gpu=gpu, progress=lines)
 
 
 @contextlib.contextmanager
-def _tensor_parallel(shape: Shape, tp: int) -> Iterator[ModelBundle]:
+def _tensor_parallel(shape: Shape, tp: int, ep: int = 1) -> Iterator[ModelBundle]:
     """The reference model of ``shape`` split over a tensor-parallel group of ``tp`` fake ranks
     (this process rank 0), with fake storage, as ``_rank_step.step_on_mesh`` splits it
     without FSDP: its own plan with the head loss parallel (the block runs under
-    ``loss_parallel()``); torchtitan's model by torchtitan's own tensor parallelism."""
+    ``loss_parallel()``); torchtitan's model by torchtitan's own tensor parallelism. With
+    ``ep`` above one the experts are split over ``ep`` fake ranks too (consecutive ones of
+    ``tp`` x ``ep``), and each tensor-parallel rank routes its own sequence shard."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import loss_parallel
 
     if shape.hf_config is not None:
         raise ValueError(f"a tensor-parallel profile runs the reference models; {shape.name} is not one")
-    with fake_world(tp):
-        mesh = init_device_mesh(FakeRun.device.type, (tp,), mesh_dim_names=("tp",))
-        titan_tp = mesh if shape.titan is not None else None  # split by torchtitan's own code
+    with fake_world(tp * ep):
+        mesh = init_device_mesh(FakeRun.device.type, (ep, tp), mesh_dim_names=("dp", "tp"))
+        titan_tp = mesh["tp"] if shape.titan is not None else None  # split by torchtitan's own code
+        experts = expert_group(mesh, ep) if ep > 1 else None
         with torch.device("meta"):  # tensor parallelism cannot be applied inside a fake mode
-            bundle = build_for_shape(shape, tp_mesh=titan_tp)
+            bundle = build_for_shape(shape, experts, titan_tp)
         if titan_tp is None:
-            tensor_parallelize(bundle.model, mesh, loss_parallel_plan(bundle.model, tp))
+            plan = loss_parallel_plan(bundle.model, tp, ep > 1 or None)
+            tensor_parallelize(bundle.model, mesh["tp"], plan)
         with FakeRun(materialize_meta=True) as fake, loss_parallel():
             bundle.model.to_empty(device=fake.device)
             yield bundle

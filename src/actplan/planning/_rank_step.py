@@ -205,8 +205,8 @@ def rank_step(
     routing: Routing = "balanced",
 ) -> RankStep:
     """Rank 0 of FSDP over ``fsdp`` ranks, times tensor parallelism (with sequence
-    parallelism) over ``tp``, or with experts over ``ep`` ranks (a divisor of ``fsdp``, without
-    TP: what ``parallelize`` runs), on torch's fake process group:
+    parallelism) over ``tp``, with experts over ``ep`` ranks (a divisor of ``fsdp`` x ``tp``:
+    what ``parallelize`` runs), on torch's fake process group:
     ``step_on_mesh`` there. ``fake=False`` runs the same on real tensors (the tests compare them)."""
     training.check()  # before the process group starts
     check_expert_layout(shape, fsdp, tp, ep)
@@ -219,17 +219,17 @@ def expert_layout_refusal(shape: Shape, fsdp: int, tp: int, ep: int) -> str | No
     """Why the real code path cannot run an expert-parallel layout, or ``None`` when it can."""
     if ep == 1:
         return None
-    if fsdp % ep or tp != 1:
+    if (fsdp * tp) % ep:
         return (
-            f"actplan.parallelize splits experts over a divisor of the FSDP ranks, without tensor "
-            f"parallelism: --ep {ep} with --fsdp {fsdp}"
-            + (f" and --tp {tp}" if tp > 1 else "")
-            + " is not such a layout"
+            f"actplan.parallelize splits experts over a divisor of the ranks: --ep {ep} does not "
+            f"divide --fsdp {fsdp}" + (f" x --tp {tp}" if tp > 1 else "")
         )
     if shape.model != "moe" or shape.hf_config is not None or shape.titan is not None:
         return f"expert parallelism runs on the MoE reference model; {shape.name} is not one"
     if shape.experts % ep:
         return f"--ep {ep} must divide experts ({shape.experts}); choose a divisor"
+    if tp > 1 and shape.mla:
+        return "the reference model's tensor parallelism does not split multi-head latent attention"
     return None
 
 
@@ -253,7 +253,7 @@ def layout_mesh(fsdp: int, tp: int) -> DeviceMesh:
 
 
 def expert_group(mesh: DeviceMesh, ep: int) -> Any:
-    """This rank's expert-parallel group of ``ep`` of the 1-D ``mesh``'s ranks, as
+    """This rank's expert-parallel group of ``ep`` of ``mesh``'s ranks, as
     ``parallelize`` expects it: consecutive blocks of ranks."""
     return expert_parallel_mesh(mesh, ep)["ep"].get_group()
 
@@ -276,8 +276,9 @@ def step_on_mesh(
     per step and the frozen parameters (``TrainingSetup``): AdamW's ``foreach``, torch's default
     for CUDA tensors, allocates temporaries the size of the parameter shards at the step;
     ``fused`` (torchtitan's default since February 2025) none. ``ep`` above one splits a MoE
-    model's experts over that many of the mesh's ranks (a 1-D mesh; ``expert_group``), its token
-    counts following ``routing`` on fake tensors (``FakeRun``'s routing)."""
+    model's experts over that many of the mesh's ranks (``expert_group``), its token
+    counts following ``routing`` on fake tensors (``FakeRun``'s routing); with tensor parallelism
+    too, each rank routes its own sequence shard."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     training.check()
@@ -295,10 +296,8 @@ def step_on_mesh(
     # Tensor parallelism cannot be applied inside a fake mode: the model is built and
     # parallelized on the meta device, then given storage.
     ep_group = None
-    if ep > 1:
-        if len(names) > 1 or tp > 1:
-            raise ValueError("expert parallelism is run over a 1-D mesh (FSDP over the same ranks)")
-        ep_group = mesh.get_group() if ep == mesh.size() else expert_group(mesh, ep)
+    if ep > 1:  # under TP each rank routes its own sequence shard (sequence parallelism)
+        ep_group = dist.group.WORLD if ep == mesh.size() else expert_group(mesh, ep)
     # torchtitan's model is split by torchtitan's own tensor parallelism as it is built.
     titan_tp = mesh["tp"] if tp > 1 and shape.titan is not None else None
     with torch.device("meta"):
@@ -309,7 +308,7 @@ def step_on_mesh(
     training.apply_freeze(model)  # before sharding, as a user freezes a LoRA base
     options = {}
     if loss_parallel:
-        options["tp_plan"] = None if titan_tp else loss_parallel_plan(model, tp)
+        options["tp_plan"] = None if titan_tp else loss_parallel_plan(model, tp, ep > 1 or None)
     parallelize(model, mesh, install(model, preset), mp_policy=policy, **options)
     run = FakeRun(routing=routing, materialize_meta=True) if fake else contextlib.nullcontext()
     with run, warnings.catch_warnings():
@@ -415,16 +414,17 @@ def _collected_between_steps() -> Iterator[None]:
             gc.enable()
 
 
-def loss_parallel_plan(model: torch.nn.Module, tp: int) -> dict:
-    """The model's own tensor-parallel plan with torchtitan's default for the output head:
-    loss parallel, its logits left sharded by vocabulary for a cross-entropy computed under
-    ``loss_parallel()``, instead of gathered whole on every rank."""
+def loss_parallel_plan(model: torch.nn.Module, tp: int, sequence_parallel: bool | None = None) -> dict:
+    """The model's own tensor-parallel plan (``sequence_parallel``: ``None`` for its default)
+    with torchtitan's default for the output head: loss parallel, its logits left sharded by
+    vocabulary for a cross-entropy computed under ``loss_parallel()``, instead of gathered
+    whole on every rank."""
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import ColwiseParallel
 
     from actplan._install.tensor_parallel import tensor_parallel_plan
 
-    plan = dict(tensor_parallel_plan(model, tp))  # the model's own choice of sequence parallelism
+    plan = dict(tensor_parallel_plan(model, tp, sequence_parallel))
     head = plan.get("lm_head")
     if head is None:
         return plan

@@ -19,13 +19,13 @@ How a rank is run depends on the layout:
   stepped twice with a real AdamW. Nothing is a formula: parameter, gradient and optimizer
   shards, all-gathered layers, reduce-scatter buffers, the sequence-parallel regions at
   ``s/tp`` and the activations are what the code allocates.
-- **experts over ``ep`` of the FSDP ranks** (``ep`` dividing ``fsdp``, no TP: what
+- **experts over ``ep`` of the ranks** (``ep`` dividing ``fsdp`` x ``tp``: what
   ``actplan.parallelize`` runs): measured the same way, the MoE reference model's experts
-  split over ``ep`` ranks (left out of FSDP when ``ep`` is ``fsdp``, else FSDP-sharded over
-  the ``fsdp/ep`` ranks holding the same ones, inside each layer), tokens exchanged by
-  all-to-all on the fake group; how many each expert receives is the routing assumption
-  (balanced, every rank routing as this one).
-- **expert parallelism with TP, or on other code**: the rank's layers (``Shape.per_rank``)
+  split over ``ep`` ranks (left out of FSDP when ``ep`` is every rank, else FSDP-sharded over
+  the ranks holding the same ones, inside each layer), tokens exchanged by all-to-all on the
+  fake group, each tensor-parallel rank routing its own sequence shard; how many each
+  expert receives is the routing assumption (balanced, every rank routing as this one).
+- **expert parallelism on other code, or with TP on latent attention**: the rank's layers (``Shape.per_rank``)
   are stepped bare, and these parts are formulas, stated in the output and in
   docs/concepts.md: 16 bytes per parameter (fp32 parameter, gradient and AdamW's moments;
   non-expert parameters over ``fsdp`` ranks, the rank's experts over ``fsdp/ep``) plus two
@@ -162,10 +162,11 @@ def estimate(
     node_host = accel.node_host_bytes if host_budget_bytes is None else host_budget_bytes
     on_node = max(min(fsdp * tp, accel.gpus_per_node), 1)
     host_per_gpu = node_host / on_node
-    if ep > 1 and fsdp % ep:
+    if ep > 1 and (fsdp * tp) % ep:
         raise ValueError(
-            f"--ep {ep} must divide --fsdp {fsdp}: expert parallelism takes its ranks from the FSDP "
-            "ones (as torchtitan does); choose --fsdp a multiple of --ep"
+            f"--ep {ep} must divide the {fsdp * tp} ranks of --fsdp {fsdp}"
+            + (f" x --tp {tp}" if tp > 1 else "")
+            + ": expert parallelism takes its ranks from them (as torchtitan does); choose --ep a divisor"
         )
     if budget_bytes is not None and budget_bytes > accel.memory_bytes:
         raise ValueError(
@@ -173,12 +174,13 @@ def estimate(
             f"{human_bytes(accel.memory_bytes)}; give a budget within it, or another --gpu"
         )
     training.check()
-    measured = ep == 1 or expert_layout_refusal(shape, fsdp, tp, ep) is None
+    unmeasured = expert_layout_refusal(shape, fsdp, tp, ep)  # why the real path cannot run it
+    measured = unmeasured is None
     if not measured and training != DEFAULT_TRAINING:
         raise ValueError(
             "--optimizer, --optimizer-impl, --grad-accum and --freeze need the measured path, which this "
-            "expert-parallel layout does not run on (its static memory is AdamW's formula); leave them "
-            "out, or drop --tp (expert parallelism is measured on the MoE reference model without TP)"
+            f"expert-parallel layout does not run on ({unmeasured}; its static memory is AdamW's "
+            "formula); leave them out, or change the layout"
         )
     if workers < 1:
         raise ValueError(f"--workers must be 1 or more processes, got {workers}")
@@ -270,7 +272,7 @@ def estimate(
     ]
     if measured:
         layout = f"FSDP2 over {fsdp}" + (f" x TP {tp} with sequence parallelism" if tp > 1 else "")
-        held = " (left out of FSDP)" if ep == fsdp else f" (each FSDP-sharded over {fsdp // ep})"
+        held = " (left out of FSDP)" if ep == fsdp * tp else f" (each FSDP-sharded over {fsdp * tp // ep})"
         layout += f", experts over {ep} of them{held}" if ep > 1 else ""
         method = f"{layout} on a fake process group, {training.optimizer}, steady (2nd) step"
         notes.append(
@@ -284,9 +286,8 @@ def estimate(
             "static memory is a formula: 16 bytes per parameter (fp32 parameter, gradient, AdamW "
             f"moments) over {fsdp} FSDP rank(s)"
             + (f" (experts over {fsdp // ep})" if ep > 1 else "")
-            + f", plus two gathered units' {shape.dtype} parameters (actplan.parallelize runs "
-            "expert parallelism on the MoE reference model without TP; this layout is not so run on "
-            "the fake process group)"
+            + f", plus two gathered units' {shape.dtype} parameters (not run through actplan."
+            f"parallelize on the fake process group: {unmeasured})"
         )
         if tp > 1:
             too_many = human_bytes(4 * shape.seq * shape.batch * shape.hidden * (1 - 1 / tp))

@@ -474,6 +474,7 @@ def test_cli_prints_the_table_and_writes_json(tmp_path, capsys):
     printed = " ".join(capsys.readouterr().out.split())
     assert "Estimated on fake tensors" in printed and "times are estimates" in printed
     assert "fastest under 1GiB: none" in printed
+    assert re.search(r"FSDP over 1: 0\.\d\d M parameters", printed)  # a test shape's count, not 0.00 B
     data = json.loads(out.read_text())
     assert [row["preset"] for row in data["rows"]] == ["none", "full"]
 

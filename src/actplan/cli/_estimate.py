@@ -163,7 +163,7 @@ def estimate_table(result) -> Table:
         legend += "; planner: its predicted peak and step"
     table = Table(
         title=f"{result.description}\n{result.gpu}, FSDP over {result.fsdp}: "
-        f"{result.parameters / 1e9:.2f} B parameters {result.parameters_scope}, {static} per GPU\n"
+        f"{_count(result.parameters)} parameters {result.parameters_scope}, {static} per GPU\n"
         f"{result.method}; allocator: {result.allocator_settings}",
         caption=f"{legend}. Estimated on fake tensors in {result.seconds_taken:.0f} s; times are estimates",
     )
@@ -286,3 +286,8 @@ def write_frontier_plot(result, path: str) -> None:
                 drawstyle="steps-post",
                 label=kind,
             )
+
+
+def _count(parameters: int) -> str:
+    """A parameter count in billions, or millions below one billion (a test shape's 0.00 B)."""
+    return f"{parameters / 1e9:.2f} B" if parameters >= 1e9 else f"{parameters / 1e6:.2f} M"

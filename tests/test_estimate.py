@@ -1020,11 +1020,15 @@ def test_torchtitans_own_llama_steps_fake_as_real(preset, tp):
     # vocabulary-parallel embedding, sequence-parallel norms, its loss-parallel cross-entropy):
     # the fake step measures what the same step measures on real tensors.
     pytest.importorskip("torchtitan")
+    from torchtitan.distributed.utils import get_spmd_backend
+
     from actplan.models.titan import shape_from_titan
 
     shape = shape_from_titan("llama3:debugmodel", layers=2, seq=32, batch=2, dtype="fp32")
+    backend = get_spmd_backend()
     fake = rank_step(shape, preset, 2, "h100", tp=tp)
     real = rank_step(shape, preset, 2, "h100", tp=tp, fake=False)
+    assert get_spmd_backend() == backend  # torchtitan's process-wide setting, set for the forward only
     assert _untimed(fake) == _untimed(real)
     assert fake.activation_bytes > 0
     if tp > 1:  # a rank holds its share of the heads and of the sequence, not the whole layer

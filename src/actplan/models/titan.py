@@ -100,15 +100,30 @@ def shape_from_titan(spec: str, **overrides: Any) -> Shape:
 
 class TitanLoss(nn.Module):
     """torchtitan's decoder returning its training loss: ``cross_entropy_loss`` (fp32 logits,
-    summed) divided by the tokens, as torchtitan's trainer rescales it."""
+    summed) divided by the tokens, as torchtitan's trainer rescales it. ``spmd_backend`` is the
+    torchtitan SPMD backend its code reads while the forward runs (its trainer sets it for the
+    whole process; here it is set for the forward alone and restored after, so other models in
+    the process keep theirs)."""
 
-    def __init__(self, decoder: nn.Module, loss: Callable[..., torch.Tensor]) -> None:
+    def __init__(
+        self, decoder: nn.Module, loss: Callable[..., torch.Tensor], spmd_backend: str | None = None
+    ) -> None:
         super().__init__()
         self.decoder = decoder
         self.loss = loss
+        self.spmd_backend = spmd_backend
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return self.loss(self.decoder(tokens), labels) / labels.numel()
+        if self.spmd_backend is None:
+            return self.loss(self.decoder(tokens), labels) / labels.numel()
+        from torchtitan.distributed.utils import get_spmd_backend, set_spmd_backend
+
+        before = get_spmd_backend()
+        set_spmd_backend(self.spmd_backend)
+        try:
+            return self.loss(self.decoder(tokens), labels) / labels.numel()
+        finally:
+            set_spmd_backend(before)
 
 
 def titan_model(
@@ -140,7 +155,7 @@ def titan_model(
     weight = next(decoder.parameters())
     if weight.device.type != "meta" and not isinstance(weight, FakeTensor):
         decoder.init_states()  # values (RoPE's table among them); meta and fake tensors have none
-    model = TitanLoss(decoder.train(), cross_entropy_loss)
+    model = TitanLoss(decoder.train(), cross_entropy_loss, None if tp_mesh is None else _BACKEND)
 
     def make_batch(seed: int = 0) -> dict[str, torch.Tensor]:
         generator = torch.Generator().manual_seed(seed)
@@ -148,6 +163,10 @@ def titan_model(
         return {"tokens": ids[:, :-1].contiguous(), "labels": ids[:, 1:].contiguous()}
 
     return model, make_batch, f"torchtitan {shape.titan} ({shape.layers} layers, SDPA for FlexAttention)"
+
+
+_BACKEND = "partial_dtensor"
+"""torchtitan's DTensor path for tensor parallelism, FSDP applied apart (as ``parallelize`` does)."""
 
 
 def _declare_sharding(spec: str, config: Any) -> None:
@@ -174,7 +193,6 @@ def _tensor_parallel_dims(tp_mesh: DeviceMesh) -> Any:
     a dimension of the mesh FSDP shards over, as FSDP2 requires of a DTensor parameter's mesh.
     Its own meshes would be a second device mesh over the same ranks, on the accelerator."""
     from torchtitan.distributed import ParallelDims
-    from torchtitan.distributed.utils import set_spmd_backend
 
     class OnTheEstimatesMesh(ParallelDims):
         def resolve_mesh(self, axes: Any) -> DeviceMesh | None:
@@ -189,10 +207,9 @@ def _tensor_parallel_dims(tp_mesh: DeviceMesh) -> Any:
                 "out for --titan (a tensor-parallel mesh only); drop --tp"
             )
 
-    set_spmd_backend("partial_dtensor")  # as its trainer does for such a run (the loss reads it)
     tp = tp_mesh.size()
     world = torch.distributed.get_world_size()
     return OnTheEstimatesMesh(
         dp_replicate=1, dp_shard=world // tp, cp=1, tp=tp, pp=1, ep=1, world_size=world,
-        spmd_backend="partial_dtensor",
+        spmd_backend=_BACKEND,
     )  # fmt: skip

@@ -102,6 +102,18 @@ def test_aux_loss_reaches_the_router():
     assert router.grad is not None and router.grad.abs().sum() > 0
 
 
+def test_a_rank_routing_its_own_sequence_shard_scales_its_balance_loss():
+    # Under sequence parallelism (RoutesItsOwnTokens sets token_shards to the TP degree) each
+    # rank's balance loss is its shard's, and DTensor sums the router's gradient over the
+    # shards: each rank's share is divided by the shards, so the router trains on their mean.
+    model, config = moe.build("tiny", aux_loss_coef=1.0, simulated_ep=2)
+    batch = moe.make_batch(config)
+    whole = model(**batch)["aux_loss"]
+    for _, layer in find_layers(model)[1:]:
+        layer.moe.experts.token_shards = 2
+    assert model(**batch)["aux_loss"].item() == pytest.approx(whole.item() / 2, rel=1e-6)
+
+
 def test_config_errors_name_the_fix():
     with pytest.raises(ValueError, match="top_k"):
         moe.build("tiny", top_k=9)

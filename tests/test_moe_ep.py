@@ -48,6 +48,8 @@ def results(tmp_path_factory):
     # FSDP over 2 tensor-parallel pairs with sequence parallelism: each rank routes its own half of
     # the sequence; the experts over each pair (FSDP-sharded over the pairs) or over every rank.
     quarter |= {f"tp-ep2-{name}": [plans[name], "tp-ep2"] for name in ("none", "full", "matmuls")}
+    # ... and without sequence parallelism: both ranks of a pair route the same tokens.
+    quarter |= {f"tp-ep2-nosp-{name}": [plans[name], "tp-ep2-nosp"] for name in ("none", "full")}
     four = {"n_experts": 4}  # one expert per rank
     quarter |= {f"tp-epall-{name}": [plans[name], "tp-epall", four] for name in ("none", "full")}
     out = out.with_name("ep2of4.json")
@@ -75,6 +77,8 @@ def results(tmp_path_factory):
         "tp-ep2-matmuls",
         "tp-epall-none",
         "tp-epall-full",
+        "tp-ep2-nosp-none",
+        "tp-ep2-nosp-full",
     ],
 )
 def test_expert_parallel_matches_one_process(results, plan):

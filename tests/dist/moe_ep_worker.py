@@ -3,8 +3,8 @@
 Usage: moe_ep_worker.py SCENARIOS [OVERRIDES] OUT_JSON, where OVERRIDES (a JSON object) changes
 the tiny MoE's config for every model of the launch, and SCENARIOS is a JSON object naming each
 scenario ``[PLAN, HOW]``, or ``[PLAN, HOW, OVERRIDES]`` with its own config changes (PLAN: a
-preset name or a JSON config; HOW: ``""``, ``fsdp``, ``fsdp-compile``, ``fsdp-ep2``, ``tp-ep2``
-or ``tp-epall``). All scenarios run in one process group, one after another (the launch, not
+preset name or a JSON config; HOW: ``""``, ``fsdp``, ``fsdp-compile``, ``fsdp-ep2``, ``tp-ep2``,
+``tp-epall`` or ``tp-ep2-nosp``). All scenarios run in one process group, one after another (the launch, not
 the scenario, is what costs). With ``fsdp`` the model goes through ``actplan.parallelize`` on a
 mesh over every rank, with ``fsdp-compile`` also compiling each layer, aot_eager (its collectives
 are not counted then, since a dispatch mode would make dynamo run the compiled layers eagerly);
@@ -12,7 +12,8 @@ with ``fsdp-ep2`` the experts are split over 2 of the ranks (launched on 4: FSDP
 expert over the 2 ranks that hold it, inside each layer). ``tp-ep2`` and ``tp-epall`` run FSDP
 over pairs of tensor-parallel ranks with sequence parallelism (a ``("dp", "tp")`` mesh; each
 pair takes a data-parallel share of the batch, each rank of a pair half its sequence), the
-experts over each pair (FSDP-sharded over the pairs) or over every rank.
+experts over each pair (FSDP-sharded over the pairs) or over every rank; ``tp-ep2-nosp`` as
+``tp-ep2`` without sequence parallelism (both ranks of a pair route the same tokens).
 Every rank builds the single-process model on the global batch as the reference,
 then for each scenario the expert-parallel model (experts split over ranks, tokens exchanged
 with all_to_all) on its half of the batch under PLAN, and compares: loss, every
@@ -93,13 +94,13 @@ def scenario(
         torch._dynamo.reset()
         torch._dynamo.utils.counters.clear()
     group = dist.group.WORLD
-    if how in ("fsdp-ep2", "tp-ep2"):
+    if how in ("fsdp-ep2", "tp-ep2", "tp-ep2-nosp"):
         group = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("expert_dp", "ep"))["ep"].get_group()
     model, _ = moe.build("tiny", ep_group=group, **(CONFIG_OVERRIDES | overrides))
     config_arg = json.loads(plan) if plan.startswith("{") else plan
     if tp > 1:
         mesh = init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("dp", "tp"))
-        actplan.parallelize(model, mesh, config_arg, sequence_parallel=True)
+        actplan.parallelize(model, mesh, config_arg, sequence_parallel=not how.endswith("-nosp"))
     elif fsdp:
         compile_options = {"backend": "aot_eager"} if compiling else False
         actplan.parallelize(model, init_device_mesh("cpu", (world,)), config_arg, compile=compile_options)
@@ -136,7 +137,8 @@ def scenario(
             worst, worst_name = diff, name
     # Routing: this rank's tokens are its rows of the reference's batch, and under sequence
     # parallelism its share of their sequence.
-    shard = slice(rank % tp * seq_len // tp, (rank % tp + 1) * seq_len // tp)
+    split = tp if not how.endswith("-nosp") else 1
+    shard = slice(rank % split * seq_len // split, (rank % split + 1) * seq_len // split)
     routing_equal = all(
         torch.equal(ids, ref_ids.view(-1, seq_len, ids.shape[-1])[rows, shard].reshape(ids.shape))
         for ids, ref_ids in zip(out["expert_ids"], out_ref["expert_ids"], strict=True)

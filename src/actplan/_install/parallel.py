@@ -86,17 +86,19 @@ def parallelize(
     ``moe.build(size, ep_group=group)``) holds different experts on different
     ranks, in modules that expose ``expert_parallel_group``. Each expert's gradient, which the
     all-to-all backward sums over the tokens of every rank of the group, is averaged with the
-    rest: divided by the world size (under tensor parallelism each rank of a tensor-parallel
-    group sends the same tokens, so the sum counts them ``tp`` times and the division by the
-    world size still gives the data-parallel average).
+    rest: divided by the data-parallel degree times the tensor-parallel ranks that route the
+    same tokens (all of them without sequence parallelism, where each rank of a
+    tensor-parallel group sends the same tokens; one with it, where each routes its own
+    sequence shard and the experts' ``token_shards`` says so).
 
     - A group over every rank: each expert lives on one rank only, so its weights are left out
       of FSDP and a hook divides its gradient.
-    - A group over ``ep`` of a 1-D mesh's ranks (``ep`` dividing the world size, laid out as
-      ``init_device_mesh(device, (world // ep, ep), mesh_dim_names=(..., "ep"))["ep"]`` lays
-      them out): the ``world // ep`` ranks that hold the same experts shard them with FSDP, in
-      a group of their own inside each layer (torchtitan's layout), reduce-scattered with a
-      divide factor of the world size. Their unshard and reshard run inside the checkpointed
+    - A group over ``ep`` of the ranks of a 1-D or ``("dp", "tp")`` mesh (``ep`` dividing the
+      world size, laid out as ``init_device_mesh(device, (world // ep, ep),
+      mesh_dim_names=(..., "ep"))["ep"]`` lays them out, consecutive ranks): the ``world // ep``
+      ranks that hold the same experts shard them with FSDP, in a group of their own inside
+      each layer (torchtitan's layout), reduce-scattered with the same divide factor. Their
+      unshard and reshard run inside the checkpointed
       layer, as FSDP's own work: the engine steps aside for those hooks, so FSDP does in the
       replay what it does under ``torch.utils.checkpoint``.
 
@@ -209,9 +211,9 @@ class _Experts:
 
     def divisor(self, module: nn.Module) -> int:
         """The experts' summed gradient over the data-parallel average: every rank's tokens
-        add into it, each token once per tensor-parallel rank that routes it (all of them,
-        unless each routes its own sequence shard: ``routes_own_tokens``)."""
-        copies = 1 if getattr(module, "routes_own_tokens", False) else self.tp
+        add into it, each token once per tensor-parallel rank that routes it (all ``tp`` of
+        them, unless they split each sequence between them: the module's ``token_shards``)."""
+        copies = self.tp // getattr(module, "token_shards", 1)
         return self.world // self.tp * copies
 
     def average_unsharded(self) -> None:
@@ -309,8 +311,8 @@ def expert_parallel_mesh(mesh: DeviceMesh, ep: int) -> DeviceMesh:
     """The 2-D ``("expert_dp", "ep")`` mesh over ``mesh``'s ranks (1-D, or ``("dp", "tp")``
     in rank order) that ``parallelize`` expects experts over ``ep`` of them laid out by:
     ``["ep"]`` consecutive blocks of ``ep`` ranks (build the model's expert-parallel group from
-    it; with a tensor-parallel dimension a block holds whole tensor-parallel groups, or part of
-    one), ``["expert_dp"]`` the ranks that hold the same experts. Collective: every rank calls it."""
+    it; with a tensor-parallel dimension a block may span tensor-parallel groups in any way),
+    ``["expert_dp"]`` the ranks that hold the same experts. Collective: every rank calls it."""
     from torch.distributed.device_mesh import init_device_mesh
 
     world = mesh.size()

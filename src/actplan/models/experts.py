@@ -56,17 +56,17 @@ class GroupedExperts(nn.Module):
     ranks (each holds different experts), so they must not be averaged with the other ranks'
     like replicated ones. Left out of FSDP, its mixed precision does not cast them either:
     ``compute_dtype`` (``parallelize`` sets it from ``mp_policy``) casts them for each forward.
-    ``routes_own_tokens`` is set by a tensor-parallel plan under which each tensor-parallel
-    rank routes its own share of the sequence (``RoutesItsOwnTokens``); otherwise every
-    tensor-parallel rank sends the same tokens, and their gradients count each token once
-    per rank."""
+    ``token_shards`` is how many tensor-parallel ranks split each sequence's tokens between
+    them when routing: set by a plan under which each routes its own sequence shard
+    (``RoutesItsOwnTokens``); 1 otherwise, where every tensor-parallel rank sends the same
+    tokens and the gradients count each token once per rank."""
 
     def __init__(self, config: ExpertSizes, ep: ExpertGroup) -> None:
         super().__init__()
         d, f, n = config.dim, config.expert_ffn_dim, ep.n_local
         self.ep = ep
         self.compute_dtype: torch.dtype | None = None
-        self.routes_own_tokens = False
+        self.token_shards = 1
         self.w_gate = nn.Parameter(torch.empty(n, d, f))
         self.w_up = nn.Parameter(torch.empty(n, d, f))
         self.w_down = nn.Parameter(torch.empty(n, f, d))
@@ -91,13 +91,14 @@ class GroupedExperts(nn.Module):
 
 
 class RoutesItsOwnTokens(ParallelStyle):
-    """Marks a ``GroupedExperts`` as fed by a block under sequence parallelism: each
-    tensor-parallel rank routes the tokens of its own sequence shard, so the experts' gradients
-    hold each token once, and ``actplan.parallelize`` averages them over the data-parallel
-    ranks alone. Changes no parameter and no input."""
+    """Marks a ``GroupedExperts`` as fed by a block under sequence parallelism: each of the
+    mesh's tensor-parallel ranks routes the tokens of its own sequence shard
+    (``token_shards``), so the experts' gradients hold each token once, and
+    ``actplan.parallelize`` averages them over the data-parallel ranks alone; the block scales
+    its balance loss by it. Changes no parameter and no input."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if not isinstance(module, GroupedExperts):
             raise TypeError(f"RoutesItsOwnTokens marks a GroupedExperts, got {type(module).__name__}")
-        module.routes_own_tokens = True
+        module.token_shards = device_mesh.size()
         return module

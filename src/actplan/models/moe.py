@@ -221,6 +221,10 @@ class MoE(nn.Module):
         x = self.mlp_norm(hidden_states).reshape(batch * seq, dim)
         checkpoint_record("moe_router")
         expert_ids, weights, counts, aux_loss = self.route(x)
+        # Under sequence parallelism each rank's balance loss is its shard's, and the router's
+        # gradient is summed over the shards: the mean over them is the loss trained on.
+        if self.experts.token_shards > 1:
+            aux_loss = aux_loss / self.experts.token_shards
 
         checkpoint_record("moe_dispatch")
         flat_ids = expert_ids.flatten()

@@ -183,7 +183,7 @@ def preset_row(job: PresetJob, preset: str | RecomputeConfig) -> tuple[EstimateR
     else:
         row, sizes, events = _traced_step(job.rank_shape, preset, job.gpu)
         itemsize = DTYPES[job.shape.dtype].itemsize
-        static, gathered, tensors = _formula(sizes, job.fsdp, job.ep, itemsize)
+        static, gathered, tensors = _formula(sizes, job.fsdp, job.ep, itemsize, job.tp)
         row.peak_bytes = static + gathered + row.step_peak_bytes
         report = replay_allocations(
             formula_trace(tensors, sizes.largest_unit * itemsize, events), job.settings
@@ -194,10 +194,15 @@ def preset_row(job: PresetJob, preset: str | RecomputeConfig) -> tuple[EstimateR
     return row, sizes, static, gathered
 
 
-def _formula(sizes: RankSizes, fsdp: int, ep: int, itemsize: int) -> tuple[int, int, list[tuple[int, int]]]:
+def _formula(
+    sizes: RankSizes, fsdp: int, ep: int, itemsize: int, tp: int = 1
+) -> tuple[int, int, list[tuple[int, int]]]:
     """The stated formula's static and gathered bytes, and the tensors it stands for as
-    ``(numel, shards)``: non-expert parameters over ``fsdp`` ranks, experts over ``fsdp/ep``."""
+    ``(numel, shards)``: the rank's non-expert parameters (its TP share) over ``fsdp`` ranks,
+    its experts (whole, ``experts/ep`` of them) over the ``fsdp x tp / ep`` ranks that hold
+    the same ones."""
     dense_params = sizes.parameters - sizes.expert_parameters
-    static = 16 * dense_params // fsdp + 16 * sizes.expert_parameters * ep // fsdp
-    tensors = [(numel, fsdp // ep if expert else fsdp) for numel, expert in sizes.tensors]
+    holders = fsdp * tp // ep
+    static = 16 * dense_params // fsdp + 16 * sizes.expert_parameters // holders
+    tensors = [(numel, holders if expert else fsdp) for numel, expert in sizes.tensors]
     return static, 2 * sizes.largest_unit * itemsize, tensors

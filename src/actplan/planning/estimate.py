@@ -271,7 +271,10 @@ def estimate(
         + (human_bytes(budget_bytes) if budget_bytes is not None else f"the {accel.name}'s memory"),
     ]
     if measured:
-        layout = f"FSDP2 over {fsdp}" + (f" x TP {tp} with sequence parallelism" if tp > 1 else "")
+        # The MoE reference model runs sequence parallelism only with its experts split (its default)
+        split_sequence = shape.model != "moe" or ep > 1
+        layout = f"FSDP2 over {fsdp}" + (f" x TP {tp}" if tp > 1 else "")
+        layout += " with sequence parallelism" if tp > 1 and split_sequence else ""
         held = " (left out of FSDP)" if ep == fsdp * tp else f" (each FSDP-sharded over {fsdp * tp // ep})"
         layout += f", experts over {ep} of them{held}" if ep > 1 else ""
         method = f"{layout} on a fake process group, {training.optimizer}, steady (2nd) step"
@@ -285,7 +288,7 @@ def estimate(
         notes.append(
             "static memory is a formula: 16 bytes per parameter (fp32 parameter, gradient, AdamW "
             f"moments) over {fsdp} FSDP rank(s)"
-            + (f" (experts over {fsdp // ep})" if ep > 1 else "")
+            + (f" (experts over the {fsdp * tp // ep} holding the same ones)" if ep > 1 else "")
             + f", plus two gathered units' {shape.dtype} parameters (not run through actplan."
             f"parallelize on the fake process group: {unmeasured})"
         )

@@ -2,7 +2,8 @@
 
 Usage: moe_ep_worker.py SCENARIOS [OVERRIDES] OUT_JSON, where OVERRIDES (a JSON object) changes
 the tiny MoE's config for every model of the launch, and SCENARIOS is a JSON object naming each
-scenario ``[PLAN, HOW]``, or ``[PLAN, HOW, OVERRIDES]`` with its own config changes (PLAN: a
+scenario ``[PLAN, HOW]``, or ``[PLAN, HOW, OPTIONS]`` with ``{"config": its own config
+changes, "steps": the training steps of the memory check (20; 0 skips it)}`` (PLAN: a
 preset name or a JSON config; HOW: ``""``, ``fsdp``, ``fsdp-compile``, ``fsdp-ep2``, ``tp-ep2``,
 ``tp-epall`` or ``tp-ep2-nosp``). All scenarios run in one process group, one after another (the launch, not
 the scenario, is what costs). With ``fsdp`` the model goes through ``actplan.parallelize`` on a
@@ -57,7 +58,8 @@ def main(scenarios: str, *rest: str) -> None:
     dist.init_process_group("gloo")
     findings = {}
     for name, (plan, how, *own) in json.loads(scenarios).items():
-        findings[name] = scenario(plan, how, *references(own[0] if own else {}))
+        options = own[0] if own else {}
+        findings[name] = scenario(plan, how, *references(options.get("config", {})), options.get("steps", 20))
     write_gathered(findings, out_path, bare=True)
     leave()
 
@@ -67,8 +69,8 @@ _REFERENCES: dict[str, tuple] = {}
 
 def references(overrides: dict) -> tuple:
     """The single-process reference for the launch's config with a scenario's own
-    ``overrides`` (a fourth item of its entry): the model after its backward on the global
-    batch, its outputs, the batch, the rows per rank and the sequence length."""
+    ``overrides`` (its options' ``config``): the model after its backward on the global
+    batch, its outputs, the batch, the rows per rank, the sequence length and the overrides."""
     key = json.dumps(overrides, sort_keys=True)
     if key not in _REFERENCES:
         torch.manual_seed(0)
@@ -82,7 +84,15 @@ def references(overrides: dict) -> tuple:
 
 
 def scenario(
-    plan: str, how: str, reference, out_ref: dict, batch: dict, per_rank: int, seq_len: int, overrides: dict
+    plan: str,
+    how: str,
+    reference,
+    out_ref: dict,
+    batch: dict,
+    per_rank: int,
+    seq_len: int,
+    overrides: dict,
+    steps: int = 20,
 ) -> dict:
     """One scenario on this rank (see the module doc): its findings."""
     tp = 2 if how.startswith("tp-") else 1
@@ -144,12 +154,12 @@ def scenario(
         for ids, ref_ids in zip(out["expert_ids"], out_ref["expert_ids"], strict=True)
     )
 
-    # Memory over 20 steps, one meter window: live bytes at each step's end.
+    # Memory over `steps` steps (20), one meter window: live bytes at each step's end.
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     optimizer.zero_grad(set_to_none=True)
     live_after_step = []
     with MemoryMeter(model, optimizer, run_compiled=compiling) as meter:
-        for _ in range(20):
+        for _ in range(steps):
             model(**mine)["loss"].backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)

@@ -17,7 +17,7 @@ from actplan.config import RecomputeConfig
 from actplan.measure import Accelerator, FakeRun
 from actplan.models import ModelBundle, build_for_shape
 from actplan.models.shape import DTYPES, Shape
-from actplan.planning._rank_step import expert_group, fake_world, loss_parallel_plan
+from actplan.planning._rank_step import expert_group, fake_world, loss_parallel_plan, splits_sequence
 from actplan.planning.choose import config_for, made_for
 from actplan.planning.planner import BudgetError, minimum_peak, none_peak, plan_summary, solve
 from actplan.planning.profile import ModelProfile, profile_model
@@ -241,7 +241,7 @@ def _tensor_parallel(shape: Shape, tp: int, ep: int = 1) -> Iterator[ModelBundle
         with torch.device("meta"):  # tensor parallelism cannot be applied inside a fake mode
             bundle = build_for_shape(shape, experts, titan_tp)
         if titan_tp is None:
-            plan = loss_parallel_plan(bundle.model, tp, ep > 1 or None)
+            plan = loss_parallel_plan(bundle.model, tp, splits_sequence(shape, ep))
             tensor_parallelize(bundle.model, mesh["tp"], plan)
         with FakeRun(materialize_meta=True) as fake, loss_parallel():
             bundle.model.to_empty(device=fake.device)

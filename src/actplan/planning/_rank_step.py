@@ -19,10 +19,8 @@ reduce-scatter streams keep pools of their own, as on a GPU), and the meter sees
 ops: a loss-parallel cross-entropy's temporaries and a redistribution's buffers count, while the
 global-shape tensors DTensor propagates shapes with do not.
 
-Under expert parallelism (the MoE reference model's experts split over every rank of the
-mesh, as ``actplan.parallelize`` supports it) each rank's experts stay out of FSDP, whole, and
-tokens travel by all-to-all; how many each rank receives follows the routing assumption
-(``FakeRun``'s: balanced, every rank routing as this one, or counts recorded on a real run).
+Under expert parallelism (``expert_layout_refusal`` says which layouts run) tokens travel by
+all-to-all, as many as the routing assumption gives (``FakeRun``'s: balanced, or recorded).
 
 What stays a stated assumption: the fake process group's collectives return at once, so a
 buffer a collective still reads on another stream is freed when the program frees it (torch's
@@ -82,6 +80,7 @@ __all__ = [
     "loss_parallel_plan",
     "nccl_bytes",
     "rank_step",
+    "splits_sequence",
     "step_on_mesh",
 ]
 
@@ -235,8 +234,7 @@ def expert_layout_refusal(shape: Shape, fsdp: int, tp: int, ep: int) -> str | No
 
 def check_expert_layout(shape: Shape, fsdp: int, tp: int, ep: int) -> None:
     """Refuses an expert-parallel layout the real code path cannot run, naming why."""
-    refusal = expert_layout_refusal(shape, fsdp, tp, ep)
-    if refusal is not None:
+    if (refusal := expert_layout_refusal(shape, fsdp, tp, ep)) is not None:
         raise ValueError(refusal)
 
 
@@ -246,10 +244,9 @@ def layout_mesh(fsdp: int, tp: int) -> DeviceMesh:
     the mesh computes its coordinates from real values."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    device = FakeRun.device.type
     if tp == 1:
-        return init_device_mesh(device, (fsdp,))
-    return init_device_mesh(device, (fsdp, tp), mesh_dim_names=("dp", "tp"))
+        return init_device_mesh(FakeRun.device.type, (fsdp,))
+    return init_device_mesh(FakeRun.device.type, (fsdp, tp), mesh_dim_names=("dp", "tp"))
 
 
 def expert_group(mesh: DeviceMesh, ep: int) -> Any:
@@ -308,7 +305,7 @@ def step_on_mesh(
     training.apply_freeze(model)  # before sharding, as a user freezes a LoRA base
     options = {}
     if loss_parallel:
-        options["tp_plan"] = None if titan_tp else loss_parallel_plan(model, tp, ep > 1 or None)
+        options["tp_plan"] = None if titan_tp else loss_parallel_plan(model, tp, splits_sequence(shape, ep))
     parallelize(model, mesh, install(model, preset), mp_policy=policy, **options)
     run = FakeRun(routing=routing, materialize_meta=True) if fake else contextlib.nullcontext()
     with run, warnings.catch_warnings():
@@ -414,11 +411,17 @@ def _collected_between_steps() -> Iterator[None]:
             gc.enable()
 
 
+def splits_sequence(shape: Shape, ep: int) -> bool:
+    """Whether the rank step runs sequence parallelism under TP: always, but on the MoE
+    reference model with its experts whole (``ep`` 1), whose plan then routes every token on
+    every TP rank."""
+    return shape.model != "moe" or ep > 1
+
+
 def loss_parallel_plan(model: torch.nn.Module, tp: int, sequence_parallel: bool | None = None) -> dict:
     """The model's own tensor-parallel plan (``sequence_parallel``: ``None`` for its default)
     with torchtitan's default for the output head: loss parallel, its logits left sharded by
-    vocabulary for a cross-entropy computed under ``loss_parallel()``, instead of gathered
-    whole on every rank."""
+    vocabulary for a cross-entropy under ``loss_parallel()``, not gathered on every rank."""
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import ColwiseParallel
 
@@ -438,11 +441,10 @@ def loss_parallel_plan(model: torch.nn.Module, tp: int, sequence_parallel: bool 
 def formula_trace(
     tensors: list[tuple[int, int]], largest_unit_bytes: int, step: list[tuple[int, int, int, int]]
 ) -> list[tuple[int, int, int, int]]:
-    """The allocation trace of a layout the fake process group does not run (tensor or expert
-    parallel), for the allocator model: the stated formula's static memory as the tensors it
-    stands for, allocated first (per parameter of ``tensors``, as ``(numel, shards)``: its fp32
-    shard, gradient and AdamW's two moments), then two gathered units of
-    ``largest_unit_bytes``, then the measured ``step``."""
+    """The allocation trace of a layout the fake process group does not run, for the allocator
+    model: the formula's static memory as the tensors it stands for, first (per parameter of
+    ``tensors``, ``(numel, shards)``: fp32 shard, gradient, AdamW's two moments), then two
+    gathered units of ``largest_unit_bytes``, then the measured ``step``."""
     sizes = [4 * -(-numel // shards) for numel, shards in tensors for _ in range(4)]
     sizes += [largest_unit_bytes] * 2
     return [(1, -(index + 1), nbytes, 0) for index, nbytes in enumerate(sizes)] + step

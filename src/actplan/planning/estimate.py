@@ -59,7 +59,7 @@ from actplan.measure import AllocatorSettings, accelerator
 from actplan.models.shape import Shape
 from actplan.planning._estimate_plans import FrontierPoint, Planner, plan_within, planner_for, shallow_profile
 from actplan.planning._preset_row import EstimateRow, PresetJob, preset_row, preset_step
-from actplan.planning._rank_step import CUDA_CONTEXT_BYTES, expert_layout_refusal, nccl_bytes
+from actplan.planning._rank_step import CUDA_CONTEXT_BYTES, expert_layout_refusal, nccl_bytes, splits_sequence
 from actplan.planning._training import DEFAULT_TRAINING, TrainingSetup
 from actplan.planning._workers import Workers
 from actplan.planning.planner import preset_peak
@@ -271,10 +271,8 @@ def estimate(
         + (human_bytes(budget_bytes) if budget_bytes is not None else f"the {accel.name}'s memory"),
     ]
     if measured:
-        # The MoE reference model runs sequence parallelism only with its experts split (its default)
-        split_sequence = shape.model != "moe" or ep > 1
         layout = f"FSDP2 over {fsdp}" + (f" x TP {tp}" if tp > 1 else "")
-        layout += " with sequence parallelism" if tp > 1 and split_sequence else ""
+        layout += " with sequence parallelism" if tp > 1 and splits_sequence(shape, ep) else ""
         held = " (left out of FSDP)" if ep == fsdp * tp else f" (each FSDP-sharded over {fsdp * tp // ep})"
         layout += f", experts over {ep} of them{held}" if ep > 1 else ""
         method = f"{layout} on a fake process group, {training.optimizer}, steady (2nd) step"
